@@ -1,0 +1,118 @@
+package routing
+
+import (
+	"sync/atomic"
+	"time"
+)
+
+// OutcomeKind says how a request ended.
+type OutcomeKind uint8
+
+// Outcome kinds.
+const (
+	// OutcomeSuccess: the worker answered 2xx and the response completed.
+	OutcomeSuccess OutcomeKind = iota
+	// OutcomeUpstreamError: the worker (or Envoy on its behalf) answered
+	// with an error status.
+	OutcomeUpstreamError
+	// OutcomeCancelled: the client went away or the stream's context ended.
+	OutcomeCancelled
+	// OutcomeReset: the ext_proc stream broke (Envoy reset it).
+	OutcomeReset
+	// OutcomeAbandoned: the server shut down before the response finished,
+	// or response processing was turned off so the end was never seen.
+	OutcomeAbandoned
+	// OutcomeRejected: the decision was made but the request was answered
+	// locally (for example 503 at shutdown) and never reached the worker.
+	OutcomeRejected
+	// OutcomeExpired: the sweeper released a decision whose Done never came.
+	OutcomeExpired
+)
+
+var outcomeNames = [...]string{"success", "upstream_error", "cancelled", "reset", "abandoned", "rejected", "expired"}
+
+// String returns the kind's metric label.
+func (k OutcomeKind) String() string {
+	if int(k) < len(outcomeNames) {
+		return outcomeNames[k]
+	}
+	return "unknown"
+}
+
+// Outcome is what happened to a routed request.
+type Outcome struct {
+	Kind OutcomeKind
+	// Served is the endpoint that really served the request, from the data
+	// plane's x-gateway-destination-endpoint-served; empty when unknown.
+	Served EndpointKey
+	// Status is the HTTP status from the worker; 0 when none arrived.
+	Status int
+	// TTFT is the time from the decision to the first generated content.
+	TTFT time.Duration
+	// Latency is the time from the decision to the end of the response.
+	Latency time.Duration
+	// PromptTokens, CompletionTokens and CachedTokens come from the usage
+	// the worker reported; -1 when not reported.
+	PromptTokens     int
+	CompletionTokens int
+	CachedTokens     int
+}
+
+// NoUsage returns an Outcome of kind k with the token counts marked unknown.
+func NoUsage(k OutcomeKind) Outcome {
+	return Outcome{Kind: k, PromptTokens: -1, CompletionTokens: -1, CachedTokens: -1}
+}
+
+// Score is one endpoint's score in a decision (higher is better unless the
+// policy documents otherwise).
+type Score struct {
+	Endpoint EndpointKey `json:"endpoint"`
+	DPRank   int         `json:"dp_rank,omitempty"`
+	Score    float64     `json:"score"`
+}
+
+// Decision is the engine's answer for one request. Its exported fields are
+// read-only for callers.
+type Decision struct {
+	// ID identifies the decision in logs and the decision log.
+	ID string
+	// Policy is the name of the policy that decided.
+	Policy string
+	// Endpoint is the chosen endpoint.
+	Endpoint EndpointKey
+	// Fallbacks are further endpoints in preference order (--fallbacks).
+	Fallbacks []EndpointKey
+	// DPRank is the chosen data-parallel rank, or -1 when the endpoint has
+	// a single rank.
+	DPRank int
+	// Overlap is the predicted number of cached prefix blocks.
+	Overlap int
+	// Scores are the per-candidate scores, when the policy produces them.
+	Scores []Score
+	// At is when the decision was made.
+	At time.Time
+
+	state *EndpointState
+	live  *Live
+	done  atomic.Bool
+	onEnd func(*Decision, Outcome)
+}
+
+// Done reports the request's outcome. The first call releases the
+// decision's load accounting and feeds the policy; later calls do nothing
+// and return false.
+func (d *Decision) Done(o Outcome) bool {
+	if d == nil || !d.done.CompareAndSwap(false, true) {
+		return false
+	}
+	if d.live != nil {
+		d.live.InFlight.Add(-1)
+	}
+	if d.onEnd != nil {
+		d.onEnd(d, o)
+	}
+	return true
+}
+
+// Finished reports whether Done was called.
+func (d *Decision) Finished() bool { return d.done.Load() }

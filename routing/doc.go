@@ -1,0 +1,35 @@
+// Package routing decides which worker serves an inference request.
+//
+// # Overview
+//
+// The request path calls [Engine.Pick] with a [Request] (model, token ids or
+// an estimate, hints, subset, priority) and gets back a [*Decision] naming
+// the endpoint. The decision carries a Done callback: the caller reports the
+// request's [Outcome] through [Decision.Done] exactly once, whatever way the
+// request ends, so load accounting and learning need no second lookup.
+//
+// Which endpoint is chosen is up to a [Policy]. Policies live in
+// routing/policy/<name> and are registered in one place
+// (routing/policy/registry.go). The engine does the parts every policy
+// shares: candidate filtering by model and subset hint, in-flight
+// accounting, decision ids and the exactly-once Done.
+//
+// # Concurrency
+//
+// Pick never blocks and never takes a lock shared with other requests. It
+// reads an immutable [snapshot] published with atomic.Pointer by
+// [Engine.Update]; discovery sources call Update from their own goroutines
+// after the new [EndpointSet] passed [EndpointSet.Validate]. Live
+// per-endpoint counters ([EndpointState]) are carried by pointer from one
+// snapshot to the next, so a swap never resets in-flight counts, and a
+// decision whose endpoint was removed still decrements the right counter.
+// Randomness comes from [Rand], a lock-free seeded source.
+//
+// # Lifecycle
+//
+// Pick increments the endpoint's in-flight count and returns a Decision.
+// Done(Outcome) decrements it and forwards the outcome to the policy's
+// learner. Done is idempotent: the first call wins, later calls are counted
+// and ignored. Callers (the ext_proc stream, the proxy) call Done on
+// success, upstream error, client cancel, stream reset and shutdown.
+package routing

@@ -1,0 +1,145 @@
+package routing
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+// EndpointKey identifies an endpoint by its "ip:port" address (IPv6 in
+// brackets), exactly as it travels in x-gateway-destination-endpoint.
+type EndpointKey string
+
+// ModelName is a model (or LoRA adapter) name as clients send it.
+type ModelName string
+
+// Endpoint describes one worker as discovery reports it. Its fields are
+// immutable once the endpoint is part of a published [EndpointSet].
+type Endpoint struct {
+	// Key is the endpoint's "ip:port" address.
+	Key EndpointKey `json:"address"`
+	// Models lists the models this endpoint serves; empty means every model.
+	Models []ModelName `json:"models,omitempty"`
+	// Adapters lists LoRA adapters the endpoint serves.
+	Adapters []ModelName `json:"adapters,omitempty"`
+	// Engine is "vllm", "sglang" or empty when unknown.
+	Engine string `json:"engine,omitempty"`
+	// BlockSize is the KV block size in tokens; 0 means the router default.
+	BlockSize int `json:"block_size,omitempty"`
+	// MaxBatchedTokens is the prefill capacity per step; 0 means the default.
+	MaxBatchedTokens int `json:"max_num_batched_tokens,omitempty"`
+	// DataParallelSize is the number of data-parallel ranks; 0 or 1 means one.
+	DataParallelSize int `json:"data_parallel_size,omitempty"`
+	// Weight scales the endpoint's share for weighted policies; 0 means 1.
+	Weight float64 `json:"weight,omitempty"`
+	// Labels are free-form discovery labels.
+	Labels map[string]string `json:"labels,omitempty"`
+
+	// addr is the parsed Key, filled by Validate.
+	addr netip.AddrPort
+}
+
+// Addr returns the parsed address (valid after [EndpointSet.Validate]).
+func (e *Endpoint) Addr() netip.AddrPort { return e.addr }
+
+// Serves reports whether the endpoint serves model (as a base model or a
+// LoRA adapter). An endpoint that declares no models serves every model.
+func (e *Endpoint) Serves(model ModelName) bool {
+	if len(e.Models) == 0 {
+		return true
+	}
+	return slices.Contains(e.Models, model) || slices.Contains(e.Adapters, model)
+}
+
+// EndpointSet is one version of the endpoint list. Sources build a new set
+// and hand it to [Engine.Update]; a published set is never modified.
+type EndpointSet struct {
+	// Source names the discovery source ("static", "file", "etcd", ...).
+	Source string
+	// Endpoints is the list, in discovery order.
+	Endpoints []Endpoint
+}
+
+// ErrInvalidEndpointSet is wrapped by every [EndpointSet.Validate] error.
+var ErrInvalidEndpointSet = errors.New("invalid endpoint set")
+
+// Validate checks the set before it is published: every key is a literal
+// "ip:port" with a non-zero port, keys are unique and canonical, and numeric
+// fields are not negative. It fills each endpoint's parsed address.
+func (s *EndpointSet) Validate() error {
+	seen := make(map[EndpointKey]struct{}, len(s.Endpoints))
+	for i := range s.Endpoints {
+		e := &s.Endpoints[i]
+		ap, err := ParseAddrPort(string(e.Key))
+		if err != nil {
+			return fmt.Errorf("%w: endpoint %d: %w", ErrInvalidEndpointSet, i, err)
+		}
+		if canon := EndpointKey(ap.String()); canon != e.Key {
+			return fmt.Errorf("%w: endpoint %d: %q is not canonical (want %q)", ErrInvalidEndpointSet, i, e.Key, canon)
+		}
+		if _, dup := seen[e.Key]; dup {
+			return fmt.Errorf("%w: duplicate endpoint %q", ErrInvalidEndpointSet, e.Key)
+		}
+		seen[e.Key] = struct{}{}
+		switch {
+		case e.BlockSize < 0:
+			return fmt.Errorf("%w: endpoint %q: negative block_size", ErrInvalidEndpointSet, e.Key)
+		case e.MaxBatchedTokens < 0:
+			return fmt.Errorf("%w: endpoint %q: negative max_num_batched_tokens", ErrInvalidEndpointSet, e.Key)
+		case e.DataParallelSize < 0:
+			return fmt.Errorf("%w: endpoint %q: negative data_parallel_size", ErrInvalidEndpointSet, e.Key)
+		case e.Weight < 0 || e.Weight != e.Weight:
+			return fmt.Errorf("%w: endpoint %q: weight must be a non-negative number", ErrInvalidEndpointSet, e.Key)
+		}
+		e.addr = ap
+	}
+	return nil
+}
+
+// ParseAddrPort parses a literal "ip:port" (IPv6 as "[ip]:port") with a
+// port in 1..65535. Host names are refused: Envoy's override_host needs the
+// address of a host in the cluster.
+func ParseAddrPort(s string) (netip.AddrPort, error) {
+	host, port, err := net.SplitHostPort(s)
+	if err != nil {
+		return netip.AddrPort{}, fmt.Errorf("address %q: %w", s, err)
+	}
+	ip, err := netip.ParseAddr(host)
+	if err != nil {
+		return netip.AddrPort{}, fmt.Errorf("address %q: host must be an IP literal", s)
+	}
+	if ip.Zone() != "" {
+		return netip.AddrPort{}, fmt.Errorf("address %q: zones are not supported", s)
+	}
+	p, err := strconv.ParseUint(port, 10, 16)
+	if err != nil || p == 0 {
+		return netip.AddrPort{}, fmt.Errorf("address %q: port must be 1..65535", s)
+	}
+	return netip.AddrPortFrom(ip.Unmap(), uint16(p)), nil
+}
+
+// ParseEndpointList parses a static "host:port[,host:port...]" list into a
+// validated set. Spaces around entries are ignored; an empty list is an
+// error.
+func ParseEndpointList(list string) (EndpointSet, error) {
+	set := EndpointSet{Source: "static"}
+	for _, f := range strings.Split(list, ",") {
+		f = strings.TrimSpace(f)
+		if f == "" {
+			continue
+		}
+		ap, err := ParseAddrPort(f)
+		if err != nil {
+			return EndpointSet{}, fmt.Errorf("%w: %w", ErrInvalidEndpointSet, err)
+		}
+		set.Endpoints = append(set.Endpoints, Endpoint{Key: EndpointKey(ap.String())})
+	}
+	if len(set.Endpoints) == 0 {
+		return EndpointSet{}, fmt.Errorf("%w: no endpoints in %q", ErrInvalidEndpointSet, list)
+	}
+	return set, set.Validate()
+}

@@ -1,0 +1,91 @@
+// Package policy registers the routing policies selectable with --policy.
+// Every policy lives in its own sub-package; this file is the one place
+// that lists them.
+package policy
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/policy/leastloaded"
+	"github.com/kvbandit/kvbandit/routing/policy/random"
+	"github.com/kvbandit/kvbandit/routing/policy/roundrobin"
+)
+
+// Deps are what a policy may depend on.
+type Deps struct {
+	Logger *slog.Logger
+	Clock  clock.Clock
+	Rand   *routing.Rand
+}
+
+// Factory builds a policy.
+type Factory func(Deps) (routing.Policy, error)
+
+// Registry maps policy names to factories.
+type Registry struct {
+	factories map[string]Factory
+}
+
+// ErrUnknownPolicy is returned for a name that is not registered.
+var ErrUnknownPolicy = errors.New("unknown policy")
+
+// Register adds a factory; a duplicate name is an error.
+func (r *Registry) Register(name string, f Factory) error {
+	if r.factories == nil {
+		r.factories = map[string]Factory{}
+	}
+	if _, dup := r.factories[name]; dup {
+		return fmt.Errorf("policy %q registered twice", name)
+	}
+	r.factories[name] = f
+	return nil
+}
+
+// New builds the named policy.
+func (r *Registry) New(name string, deps Deps) (routing.Policy, error) {
+	f, ok := r.factories[name]
+	if !ok {
+		return nil, fmt.Errorf("%w %q (known: %s)", ErrUnknownPolicy, name, strings.Join(r.Names(), ", "))
+	}
+	if deps.Rand == nil {
+		deps.Rand = routing.NewRand(0)
+	}
+	deps.Clock = clock.Or(deps.Clock)
+	if deps.Logger == nil {
+		deps.Logger = slog.Default()
+	}
+	return f(deps)
+}
+
+// Names lists the registered names, sorted.
+func (r *Registry) Names() []string {
+	names := make([]string, 0, len(r.factories))
+	for n := range r.factories {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	return names
+}
+
+// Default is the name of the default policy.
+const Default = roundrobin.Name
+
+// Builtin returns a registry holding every built-in policy.
+func Builtin() *Registry {
+	r := &Registry{}
+	must := func(err error) {
+		if err != nil {
+			panic(err) // a programming error in this file
+		}
+	}
+	must(r.Register(roundrobin.Name, func(Deps) (routing.Policy, error) { return roundrobin.New(), nil }))
+	must(r.Register(leastloaded.Name, func(d Deps) (routing.Policy, error) { return leastloaded.New(d.Rand), nil }))
+	must(r.Register(random.Name, func(d Deps) (routing.Policy, error) { return random.New(d.Rand), nil }))
+	return r
+}

@@ -1,0 +1,45 @@
+// Package roundrobin implements the round_robin policy: candidates in turn,
+// ignoring load and cache contents.
+package roundrobin
+
+import (
+	"sync/atomic"
+
+	"github.com/kvbandit/kvbandit/routing"
+)
+
+// Name is the --policy value.
+const Name = "round_robin"
+
+// Policy cycles through the candidates. The counter is shared by all
+// requests, so with a changing candidate list the rotation is approximate.
+type Policy struct {
+	next atomic.Uint64
+}
+
+var _ routing.Policy = (*Policy)(nil)
+
+// New returns a round-robin policy.
+func New() *Policy { return &Policy{} }
+
+// Name implements [routing.Policy].
+func (*Policy) Name() string { return Name }
+
+// Choose implements [routing.Policy].
+func (p *Policy) Choose(_ *routing.Request, cands routing.Candidates, commit bool) (routing.Choice, error) {
+	var n uint64
+	if commit {
+		n = p.next.Add(1) - 1
+	} else {
+		n = p.next.Load()
+	}
+	i := int(n % uint64(len(cands)))
+	ranked := make([]int, len(cands))
+	for k := range ranked {
+		ranked[k] = (i + k) % len(cands)
+	}
+	return routing.Choice{Index: i, Ranked: ranked, DPRank: -1}, nil
+}
+
+// Done implements [routing.Policy]; round robin learns nothing.
+func (*Policy) Done(*routing.Decision, *routing.EndpointState, routing.Outcome) {}
