@@ -69,3 +69,7 @@ func (p *Policy) Choose(_ *routing.Request, cands routing.Candidates, _ bool) (r
 // Done implements [routing.Policy]; the engine already released the
 // in-flight count.
 func (*Policy) Done(*routing.Decision, *routing.EndpointState, routing.Outcome) {}
+
+// NeedsOutcomes implements [routing.OutcomeAware]: in-flight counts only
+// fall when outcomes are reported.
+func (*Policy) NeedsOutcomes() bool { return true }

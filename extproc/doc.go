@@ -1,0 +1,47 @@
+// Package extproc is kvbandit's Envoy external-processing (ext_proc) server:
+// the Gateway API Inference Extension endpoint picker protocol on top of
+// envoy.service.ext_proc.v3.ExternalProcessor.
+//
+// # Overview
+//
+// Envoy opens one bidirectional Process stream per HTTP request. [Server]
+// only receives, sends and maps errors; a [processor] made per stream holds
+// the protocol state and handles each phase in its own method: request
+// headers, request body, request trailers, response headers, response body,
+// response trailers. The exchange is chosen per stream from the first
+// message's protocol_config:
+//
+//   - FULL_DUPLEX_STREAMED (or absent): the request body is buffered to end
+//     of stream (bounded by --max-body-bytes and a global byte budget), the
+//     request is parsed and routed, then the headers response carries the
+//     decision (x-gateway-destination-endpoint header, envoy.lb dynamic
+//     metadata, clear_route_cache) and the original body bytes are streamed
+//     back in chunks of at most 62,000 bytes.
+//   - BUFFERED: the headers message is answered at once; the decision goes in
+//     the one BodyResponse, body untouched.
+//   - NONE, STREAMED, or request headers with end_of_stream: decided at the
+//     headers by load only.
+//
+// Response messages feed the decision's [routing.Outcome]: status, served
+// endpoint, time to first token (from the SSE or JSON body), usage. Every
+// error that the client should see becomes an ImmediateResponse with an
+// OpenAI-style JSON body in exactly one function, [Reject].
+//
+// # Concurrency
+//
+// Each stream runs two goroutines: a reader that calls Recv and the
+// stream's own loop, which selects on received messages, the decision
+// deadline, server drain and the stream context. Only the loop sends, so
+// replies leave in headers → body → trailers order. Routing goes through
+// [routing.Picker], which never blocks.
+//
+// # Lifecycle
+//
+// A stream's decision is made once (at body end of stream, at the headers,
+// or never when the request is rejected). From then on exactly one call of
+// Decision.Done ends it: at the end of the response (success or upstream
+// error by status), when the stream context ends (client cancel or Envoy
+// reset), when a protocol error aborts the stream, when the server drains
+// (abandoned), or right after the request phase when response processing is
+// turned off (abandoned: no outcome is observed).
+package extproc

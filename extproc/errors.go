@@ -1,0 +1,134 @@
+package extproc
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvbandit/kvbandit/extproc/openai"
+	"github.com/kvbandit/kvbandit/routing"
+)
+
+// Errors the ext_proc layer raises itself. Each maps to one HTTP status in
+// [Reject].
+var (
+	// ErrBodyTooLarge: the request body crossed --max-body-bytes (413).
+	ErrBodyTooLarge = errors.New("request body too large")
+	// ErrTooManyStreams: --max-inflight streams are already open (503).
+	ErrTooManyStreams = errors.New("too many concurrent requests")
+	// ErrBufferBudget: the global budget for buffered bodies is spent (503).
+	ErrBufferBudget = errors.New("server is buffering too many request bytes")
+	// ErrDecisionTimeout: no decision within --decision-timeout (503).
+	ErrDecisionTimeout = errors.New("routing decision timed out")
+	// ErrShuttingDown: the server is draining (503).
+	ErrShuttingDown = errors.New("server is shutting down")
+	// ErrProtocol: the data plane sent messages out of order. It is not an
+	// HTTP error: the stream ends with a gRPC FailedPrecondition status.
+	ErrProtocol = errors.New("ext_proc protocol violation")
+)
+
+// Rejection is an error answered to the client as an HTTP status with an
+// OpenAI-style JSON error body.
+type Rejection struct {
+	Status int
+	Type   string
+	Code   string
+	Err    error
+}
+
+func (r *Rejection) Error() string { return fmt.Sprintf("%d %s: %v", r.Status, r.Code, r.Err) }
+
+// Unwrap returns the cause.
+func (r *Rejection) Unwrap() error { return r.Err }
+
+// Reject classifies err. It is the one place where errors become HTTP
+// statuses: 400 bad request, 404 unknown model, 413 too large, 429 shed,
+// 503 no endpoint / too many streams / timeout / shutdown. It returns nil
+// for errors that are not the client's to see (internal errors and
+// protocol violations), which end the stream with a gRPC status instead.
+func Reject(err error) *Rejection {
+	var r *Rejection
+	switch {
+	case err == nil:
+		return nil
+	case errors.As(err, &r):
+		return r
+	case errors.Is(err, openai.ErrMissingModel):
+		return &Rejection{http.StatusBadRequest, "invalid_request_error", "missing_model", err}
+	case errors.Is(err, openai.ErrInvalidJSON):
+		return &Rejection{http.StatusBadRequest, "invalid_request_error", "invalid_json", err}
+	case errors.Is(err, openai.ErrInvalidField):
+		return &Rejection{http.StatusBadRequest, "invalid_request_error", "invalid_field", err}
+	case errors.Is(err, routing.ErrModelNotFound):
+		return &Rejection{http.StatusNotFound, "invalid_request_error", "model_not_found", err}
+	case errors.Is(err, ErrBodyTooLarge):
+		return &Rejection{http.StatusRequestEntityTooLarge, "invalid_request_error", "body_too_large", err}
+	case errors.Is(err, routing.ErrOverloaded):
+		return &Rejection{http.StatusTooManyRequests, "rate_limit_error", "overloaded", err}
+	case errors.Is(err, routing.ErrSubsetEmpty):
+		return &Rejection{http.StatusServiceUnavailable, "service_unavailable", "subset_empty", err}
+	case errors.Is(err, routing.ErrNoEndpoints):
+		return &Rejection{http.StatusServiceUnavailable, "service_unavailable", "no_endpoint", err}
+	case errors.Is(err, ErrTooManyStreams):
+		return &Rejection{http.StatusServiceUnavailable, "service_unavailable", "too_many_requests_in_flight", err}
+	case errors.Is(err, ErrBufferBudget):
+		return &Rejection{http.StatusServiceUnavailable, "service_unavailable", "server_busy", err}
+	case errors.Is(err, ErrDecisionTimeout):
+		return &Rejection{http.StatusServiceUnavailable, "service_unavailable", "decision_timeout", err}
+	case errors.Is(err, ErrShuttingDown):
+		return &Rejection{http.StatusServiceUnavailable, "service_unavailable", "shutting_down", err}
+	}
+	return nil
+}
+
+// errorBody is the OpenAI error envelope.
+type errorBody struct {
+	Error struct {
+		Message string `json:"message"`
+		Type    string `json:"type"`
+		Code    string `json:"code"`
+	} `json:"error"`
+}
+
+// immediate builds the ImmediateResponse for a rejection.
+func (r *Rejection) immediate() *extprocv3.ProcessingResponse {
+	var b errorBody
+	b.Error.Message = r.Err.Error()
+	b.Error.Type = r.Type
+	b.Error.Code = r.Code
+	body, _ := json.Marshal(&b) // cannot fail: plain strings
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
+		ImmediateResponse: &extprocv3.ImmediateResponse{
+			Status: &typev3.HttpStatus{Code: typev3.StatusCode(r.Status)},
+			Headers: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+				setHeader("content-type", "application/json"),
+				setHeader("x-kvbandit-error", r.Code),
+			}},
+			Body:    body,
+			Details: "kvbandit_" + r.Code,
+		},
+	}}
+}
+
+// grpcError turns an error that is not a Rejection into the stream's final
+// status: protocol violations are FailedPrecondition, the rest Internal.
+func grpcError(err error) error {
+	if errors.Is(err, ErrProtocol) {
+		return status.Error(codes.FailedPrecondition, err.Error())
+	}
+	return status.Error(codes.Internal, err.Error())
+}
+
+func setHeader(k, v string) *corev3.HeaderValueOption {
+	return &corev3.HeaderValueOption{
+		Header:       &corev3.HeaderValue{Key: k, RawValue: []byte(v)},
+		AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD,
+	}
+}

@@ -1,0 +1,120 @@
+package extproc
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metrics are the ext_proc layer's Prometheus metrics. Label values come
+// only from bounded sets: path classes, status classes, phases and reasons
+// defined in this package.
+type Metrics struct {
+	requests       *prometheus.CounterVec
+	streamErrors   *prometheus.CounterVec
+	streams        prometheus.Gauge
+	phase          *prometheus.HistogramVec
+	tokens         *prometheus.CounterVec
+	ttft           prometheus.Histogram
+	latency        prometheus.Histogram
+	outcomes       *prometheus.CounterVec
+	servedMismatch prometheus.Counter
+	hintProblems   prometheus.Counter
+	bufferedBytes  prometheus.GaugeFunc
+}
+
+var latencyBuckets = []float64{.00005, .0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5}
+var requestBuckets = []float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300}
+
+// NewMetrics registers the metrics with reg (a private registry when nil).
+// bufferedBytes reports the bytes buffered across streams.
+func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metrics {
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
+	m := &Metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbandit_requests_total",
+			Help: "Requests seen on ext_proc streams, by path class and final HTTP status class (local replies included; 'none' when the stream ended without a status).",
+		}, []string{"path", "code_class"}),
+		streamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbandit_extproc_stream_errors_total",
+			Help: "ext_proc streams that ended abnormally, by reason.",
+		}, []string{"reason"}),
+		streams: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvbandit_extproc_streams_inflight",
+			Help: "Open ext_proc streams.",
+		}),
+		phase: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "kvbandit_phase_duration_seconds",
+			Help:    "Time spent per request-path phase: parse, tokenize, pick, and total (last request byte to decision sent).",
+			Buckets: latencyBuckets,
+		}, []string{"phase"}),
+		tokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbandit_tokens_total",
+			Help: "Tokens by kind: prompt_routed (what kvbandit tokenized or estimated), prompt, completion and cached (as workers reported in usage).",
+		}, []string{"kind"}),
+		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvbandit_ttft_seconds",
+			Help:    "Time from the routing decision to the first response chunk carrying generated content.",
+			Buckets: requestBuckets,
+		}),
+		latency: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvbandit_request_duration_seconds",
+			Help:    "Time from the routing decision to the end of the response.",
+			Buckets: requestBuckets,
+		}),
+		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbandit_decision_outcomes_total",
+			Help: "Decisions ended, by outcome.",
+		}, []string{"outcome"}),
+		servedMismatch: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbandit_served_mismatch_total",
+			Help: "Responses whose served endpoint (x-gateway-destination-endpoint-served) differs from the chosen one: the data plane fell back.",
+		}),
+		hintProblems: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbandit_hint_problems_total",
+			Help: "Routing hint values that were invalid and ignored.",
+		}),
+	}
+	cs := []prometheus.Collector{m.requests, m.streamErrors, m.streams, m.phase, m.tokens, m.ttft, m.latency, m.outcomes, m.servedMismatch, m.hintProblems}
+	if bufferedBytes != nil {
+		m.bufferedBytes = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvbandit_buffered_body_bytes",
+			Help: "Request body bytes buffered across all streams.",
+		}, bufferedBytes)
+		cs = append(cs, m.bufferedBytes)
+	}
+	for _, c := range cs {
+		reg.MustRegister(c)
+	}
+	// Pre-create the common series so dashboards see zeros.
+	for _, p := range []string{pathChat, pathCompletions, pathModels, pathOther} {
+		for _, c := range []string{"2xx", "4xx", "5xx"} {
+			m.requests.WithLabelValues(p, c)
+		}
+	}
+	return m
+}
+
+// Path classes for labels.
+const (
+	pathChat        = "chat_completions"
+	pathCompletions = "completions"
+	pathModels      = "models"
+	pathOther       = "other"
+)
+
+func codeClass(status int) string {
+	switch {
+	case status == 0:
+		return "none"
+	case status < 200:
+		return "1xx"
+	case status < 300:
+		return "2xx"
+	case status < 400:
+		return "3xx"
+	case status < 500:
+		return "4xx"
+	}
+	return "5xx"
+}

@@ -1,0 +1,754 @@
+package extproc
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/kvbandit/kvbandit/extproc/hints"
+	"github.com/kvbandit/kvbandit/extproc/openai"
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/clock"
+)
+
+// EPP protocol names.
+const (
+	// HeaderDestination carries the chosen endpoint to the data plane.
+	HeaderDestination = "x-gateway-destination-endpoint"
+	// HeaderDPRank carries the chosen data-parallel rank to the worker.
+	HeaderDPRank = "x-data-parallel-rank"
+	// NamespaceLB is the dynamic metadata namespace of the destination.
+	NamespaceLB = "envoy.lb"
+	// NamespaceSubset is the metadata namespace of the subset hint.
+	NamespaceSubset = "envoy.lb.subset_hint"
+	// KeySubset is the subset hint's key in NamespaceSubset.
+	KeySubset = "x-gateway-destination-endpoint-subset"
+	// KeyServed is the served endpoint's key in NamespaceLB.
+	KeyServed = "x-gateway-destination-endpoint-served"
+	// destinationPrefix covers every client header that could pose as a
+	// data plane or picker header.
+	destinationPrefix = "x-gateway-destination-endpoint"
+)
+
+// phase is the stream's progress.
+type phase uint8
+
+const (
+	phaseRequestHeaders phase = iota // waiting for request headers
+	phaseRequestBody                 // receiving the request body
+	phaseAwaitResponse               // request answered, waiting for the response
+	phaseResponseBody                // response headers answered, body streaming
+	phaseDone                        // finished
+)
+
+// processor holds one stream's protocol state. It is used by the stream's
+// loop goroutine only.
+type processor struct {
+	s *Server
+
+	phase    phase
+	reqMode  filterv3.ProcessingMode_BodySendMode
+	respMode filterv3.ProcessingMode_BodySendMode
+	// reqBodyPassthrough: STREAMED request bodies are acknowledged chunk by
+	// chunk (the decision was made at the headers).
+	reqBodyPassthrough bool
+
+	path      string
+	kind      openai.Kind
+	requestID string
+	tenant    string
+	hintHdrs  map[string]string
+	spoofed   []string
+	subset    *routing.Subset
+
+	body      []byte // request body; aliases the single chunk when possible
+	owned     bool   // body is our own copy (counted against the budget)
+	held      int64  // bytes held against the server's buffer budget
+	started   time.Time
+	timer     clock.Timer
+	timeout   chan struct{}
+	decision  *routing.Decision
+	respPhase bool
+
+	// response state
+	status     int
+	sse        bool
+	json       bool
+	served     routing.EndpointKey
+	stream     *openai.StreamParser
+	respBody   []byte
+	respOver   bool
+	ttft       time.Duration
+	sawContent bool
+	tokensIn   int
+	counted    bool
+}
+
+func newProcessor(s *Server) *processor {
+	return &processor{s: s, reqMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, respMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED}
+}
+
+// handle dispatches one message to its phase method. It returns the
+// replies to send in order, whether the stream is finished, and an error
+// that ends the stream (mapped by [Reject]).
+func (p *processor) handle(ctx context.Context, m *extprocv3.ProcessingRequest) ([]*extprocv3.ProcessingResponse, bool, error) {
+	if p.phase == phaseRequestHeaders {
+		if pc := m.GetProtocolConfig(); pc != nil {
+			p.reqMode = pc.GetRequestBodyMode()
+			p.respMode = pc.GetResponseBodyMode()
+		}
+	}
+	p.readMetadata(m.GetMetadataContext())
+	switch r := m.GetRequest().(type) {
+	case *extprocv3.ProcessingRequest_RequestHeaders:
+		return p.onRequestHeaders(ctx, r.RequestHeaders)
+	case *extprocv3.ProcessingRequest_RequestBody:
+		return p.onRequestBody(ctx, r.RequestBody)
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		return p.onRequestTrailers(ctx)
+	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		return p.onResponseHeaders(r.ResponseHeaders)
+	case *extprocv3.ProcessingRequest_ResponseBody:
+		return p.onResponseBody(r.ResponseBody)
+	case *extprocv3.ProcessingRequest_ResponseTrailers:
+		return p.onResponseTrailers()
+	}
+	// Flow-control or unknown messages need no reply.
+	return nil, false, nil
+}
+
+func protocolError(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrProtocol, fmt.Sprintf(format, args...))
+}
+
+func (p *processor) onRequestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) ([]*extprocv3.ProcessingResponse, bool, error) {
+	if p.phase != phaseRequestHeaders {
+		return nil, false, protocolError("request headers in phase %d", p.phase)
+	}
+	p.started = p.s.clk.Now()
+	p.readRequestHeaders(h.GetHeaders())
+	p.kind = openai.KindOf(p.path)
+	p.phase = phaseRequestBody
+	p.timeout = make(chan struct{})
+	ch := p.timeout
+	p.timer = p.s.clk.AfterFunc(p.s.cfg.DecisionTimeout, func() { close(ch) })
+
+	switch {
+	case h.GetEndOfStream(), p.reqMode == filterv3.ProcessingMode_NONE, p.reqMode == filterv3.ProcessingMode_STREAMED:
+		// No body to wait for (or none that could still change routing:
+		// in STREAMED mode header mutations in body responses are ignored).
+		if !h.GetEndOfStream() && p.reqMode == filterv3.ProcessingMode_STREAMED {
+			p.reqBodyPassthrough = true
+		}
+		if err := p.decide(ctx); err != nil {
+			return nil, false, err
+		}
+		if !p.reqBodyPassthrough {
+			p.phase = phaseAwaitResponse
+		}
+		out := []*extprocv3.ProcessingResponse{p.headersResponse(true)}
+		return p.afterRequestPhase(out)
+	case p.reqMode == filterv3.ProcessingMode_BUFFERED, p.reqMode == filterv3.ProcessingMode_BUFFERED_PARTIAL:
+		// Answer at once (holding it would stall Envoy until its message
+		// timeout); the decision goes in the body response.
+		return []*extprocv3.ProcessingResponse{p.headersResponse(false)}, false, nil
+	}
+	// FULL_DUPLEX_STREAMED: hold the headers response until the decision.
+	return nil, false, nil
+}
+
+func (p *processor) onRequestBody(ctx context.Context, b *extprocv3.HttpBody) ([]*extprocv3.ProcessingResponse, bool, error) {
+	switch {
+	case p.reqBodyPassthrough:
+		if b.GetEndOfStream() {
+			p.reqBodyPassthrough = false
+			p.phase = phaseAwaitResponse
+			out := []*extprocv3.ProcessingResponse{bodyAck(true)}
+			return p.afterRequestPhase(out)
+		}
+		return []*extprocv3.ProcessingResponse{bodyAck(true)}, false, nil
+	case p.phase == phaseAwaitResponse || p.phase == phaseResponseBody:
+		// Data after the first end of stream (Envoy issue 46237): ignore.
+		return nil, false, nil
+	case p.phase != phaseRequestBody:
+		return nil, false, protocolError("request body in phase %d", p.phase)
+	}
+	if err := p.appendBody(b.GetBody()); err != nil {
+		return nil, false, err
+	}
+	if !b.GetEndOfStream() {
+		return nil, false, nil
+	}
+	return p.requestComplete(ctx, true)
+}
+
+func (p *processor) onRequestTrailers(ctx context.Context) ([]*extprocv3.ProcessingResponse, bool, error) {
+	trailers := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}}}
+	if p.phase != phaseRequestBody || p.reqBodyPassthrough {
+		if p.phase == phaseRequestHeaders {
+			return nil, false, protocolError("request trailers before headers")
+		}
+		return []*extprocv3.ProcessingResponse{trailers}, false, nil
+	}
+	// Trailers end a body that had no end_of_stream flag.
+	out, _, err := p.requestComplete(ctx, false)
+	if err != nil {
+		return nil, false, err
+	}
+	return p.afterRequestPhase(append(out, trailers))
+}
+
+// requestComplete routes the buffered request and builds the request-phase
+// replies for the stream's mode. eos says whether the body ended with
+// end_of_stream (false when trailers ended it).
+func (p *processor) requestComplete(ctx context.Context, eos bool) ([]*extprocv3.ProcessingResponse, bool, error) {
+	if err := p.decide(ctx); err != nil {
+		return nil, false, err
+	}
+	p.phase = phaseAwaitResponse
+	var out []*extprocv3.ProcessingResponse
+	if p.reqMode == filterv3.ProcessingMode_BUFFERED || p.reqMode == filterv3.ProcessingMode_BUFFERED_PARTIAL {
+		out = []*extprocv3.ProcessingResponse{p.bufferedBodyResponse()}
+	} else {
+		out = make([]*extprocv3.ProcessingResponse, 0, 2+len(p.body)/BodyChunkBytes)
+		out = append(out, p.headersResponse(true))
+		out = appendBodyChunks(out, p.body, eos)
+	}
+	if !eos {
+		// Trailers follow: the caller appends the trailers response.
+		return out, false, nil
+	}
+	return p.afterRequestPhase(out)
+}
+
+// afterRequestPhase closes the stream after the request replies when
+// response processing is off.
+func (p *processor) afterRequestPhase(out []*extprocv3.ProcessingResponse) ([]*extprocv3.ProcessingResponse, bool, error) {
+	if p.s.cfg.ResponseProcessing || p.reqBodyPassthrough {
+		return out, false, nil
+	}
+	p.finish(routing.OutcomeAbandoned)
+	return out, true, nil
+}
+
+func (p *processor) appendBody(chunk []byte) error {
+	if len(chunk) == 0 {
+		return nil
+	}
+	total := int64(len(p.body) + len(chunk))
+	if total > p.s.cfg.MaxBodyBytes {
+		return fmt.Errorf("%w: more than %d bytes", ErrBodyTooLarge, p.s.cfg.MaxBodyBytes)
+	}
+	if p.body == nil {
+		// Keep a reference to the first chunk: a body that arrives in one
+		// message is never copied. gRPC gives each message its own buffer.
+		p.body = chunk
+		return p.hold(int64(len(chunk)))
+	}
+	if err := p.hold(int64(len(chunk))); err != nil {
+		return err
+	}
+	if !p.owned {
+		grow := make([]byte, len(p.body), max(2*len(p.body), int(total)))
+		copy(grow, p.body)
+		p.body = grow
+		p.owned = true
+	}
+	p.body = append(p.body, chunk...)
+	return nil
+}
+
+// hold charges n bytes against the server-wide buffer budget.
+func (p *processor) hold(n int64) error {
+	if p.s.buffered.Add(n) > p.s.cfg.MaxBufferedBytes {
+		p.s.buffered.Add(-n)
+		return ErrBufferBudget
+	}
+	p.held += n
+	return nil
+}
+
+// decide parses the request, estimates or computes its tokens and picks.
+func (p *processor) decide(ctx context.Context) error {
+	m := p.s.metrics
+	t0 := p.s.clk.Now()
+	req := routing.Request{ID: p.requestID, Path: p.path, Tenant: p.tenant, Arrival: p.started, Subset: p.subset}
+	var parsed *openai.Request
+	if len(p.body) > 0 || p.kind != openai.KindOther {
+		var err error
+		parsed, err = openai.Parse(p.kind, p.body)
+		if err != nil {
+			if p.kind != openai.KindOther {
+				return err
+			}
+			parsed = nil // unknown paths are routed by load only
+		}
+	}
+	nv := openai.NVExt{}
+	if parsed != nil {
+		req.Model = routing.ModelName(parsed.Model)
+		req.Stream = parsed.Stream
+		req.MaxTokens = parsed.MaxTokens
+		req.CacheSalt = parsed.CacheSalt
+		nv = parsed.NVExt
+	}
+	h, problems := hints.Parse(p.header, nv)
+	req.Hints = h
+	if problems.Count > 0 {
+		m.hintProblems.Add(float64(problems.Count))
+	}
+	t1 := p.s.clk.Now()
+	m.phase.WithLabelValues("parse").Observe(t1.Sub(t0).Seconds())
+	if parsed != nil {
+		p.tokenize(ctx, parsed, &req)
+		t2 := p.s.clk.Now()
+		m.phase.WithLabelValues("tokenize").Observe(t2.Sub(t1).Seconds())
+		t1 = t2
+	}
+	d, err := p.s.picker.Pick(ctx, &req)
+	t3 := p.s.clk.Now()
+	m.phase.WithLabelValues("pick").Observe(t3.Sub(t1).Seconds())
+	if err != nil {
+		return err
+	}
+	if p.timer != nil {
+		p.timer.Stop()
+	}
+	p.timeout = nil
+	p.decision = d
+	p.tokensIn = req.TokenCount
+	m.tokens.WithLabelValues("prompt_routed").Add(float64(req.TokenCount))
+	m.phase.WithLabelValues("total").Observe(t3.Sub(p.started).Seconds())
+	return nil
+}
+
+// tokenize fills the request's tokens, falling back to a byte estimate.
+func (p *processor) tokenize(ctx context.Context, parsed *openai.Request, req *routing.Request) {
+	if p.s.tok != nil {
+		ids, err := p.s.tok.Encode(ctx, parsed)
+		if err == nil {
+			req.Tokens, req.TokenCount = ids, len(ids)
+			return
+		}
+		p.s.log.Debug("tokenizer failed; estimating", "err", err)
+	}
+	req.TokenCount = (parsed.TextLen() + 3) / 4
+	req.Estimated = true
+}
+
+// header returns a request header that hint parsing may ask for.
+func (p *processor) header(name string) (string, bool) {
+	v, ok := p.hintHdrs[name]
+	return v, ok
+}
+
+func headerValue(h *corev3.HeaderValue) string {
+	if rv := h.GetRawValue(); len(rv) > 0 {
+		return string(rv)
+	}
+	return h.GetValue()
+}
+
+// readRequestHeaders keeps only what routing needs: the path, the request
+// id, the tenant, hint headers and the names of spoofable headers.
+func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) {
+	tenant := p.s.cfg.TenantHeader
+	for _, h := range hm.GetHeaders() {
+		k := h.GetKey()
+		switch {
+		case k == ":path":
+			p.path = headerValue(h)
+		case k == "x-request-id":
+			p.requestID = headerValue(h)
+		case tenant != "" && strings.EqualFold(k, tenant):
+			p.tenant = headerValue(h)
+		case strings.HasPrefix(k, "x-prefix-") || k == "x-request-priority":
+			if p.hintHdrs == nil {
+				p.hintHdrs = make(map[string]string, 4)
+			}
+			if _, dup := p.hintHdrs[k]; !dup {
+				p.hintHdrs[k] = headerValue(h)
+			}
+		case strings.HasPrefix(strings.ToLower(k), destinationPrefix) || strings.EqualFold(k, HeaderDPRank):
+			p.spoofed = append(p.spoofed, k)
+		}
+	}
+}
+
+// readMetadata picks up the subset hint (request path) and the served
+// endpoint (response path) from forwarded dynamic metadata.
+func (p *processor) readMetadata(md *corev3.Metadata) {
+	fm := md.GetFilterMetadata()
+	if len(fm) == 0 {
+		return
+	}
+	if !p.respPhase && p.decision == nil {
+		if ns, ok := fm[NamespaceSubset]; ok {
+			if v, ok := ns.GetFields()[KeySubset]; ok {
+				p.subset = routing.NewSubset(subsetEntries(v))
+			}
+		}
+	}
+	if ns, ok := fm[NamespaceLB]; ok {
+		if v, ok := ns.GetFields()[KeyServed]; ok {
+			if s := strings.TrimSpace(v.GetStringValue()); s != "" {
+				// With fallbacks the data plane may report a list; the
+				// first entry is the host that served.
+				s, _, _ = strings.Cut(s, ",")
+				p.served = routing.EndpointKey(strings.TrimSpace(s))
+			}
+		}
+	}
+}
+
+// subsetEntries accepts a list value or a comma-separated string.
+func subsetEntries(v *structpb.Value) []string {
+	switch k := v.GetKind().(type) {
+	case *structpb.Value_ListValue:
+		out := make([]string, 0, len(k.ListValue.GetValues()))
+		for _, e := range k.ListValue.GetValues() {
+			if s, ok := e.GetKind().(*structpb.Value_StringValue); ok {
+				out = append(out, s.StringValue)
+			}
+		}
+		return out
+	case *structpb.Value_StringValue:
+		return strings.Split(k.StringValue, ",")
+	}
+	return []string{}
+}
+
+// destination is the value of the destination header and metadata.
+func (p *processor) destination() string {
+	d := p.decision
+	if len(d.Fallbacks) == 0 {
+		return string(d.Endpoint)
+	}
+	var b strings.Builder
+	b.WriteString(string(d.Endpoint))
+	for _, f := range d.Fallbacks {
+		b.WriteByte(',')
+		b.WriteString(string(f))
+	}
+	return b.String()
+}
+
+// mutation sets the destination (when decided) and removes every
+// client-supplied header that could steer the data plane.
+func (p *processor) mutation() *extprocv3.HeaderMutation {
+	hm := &extprocv3.HeaderMutation{}
+	rank := -1
+	if p.decision != nil {
+		hm.SetHeaders = append(hm.SetHeaders, setHeader(HeaderDestination, p.destination()))
+		rank = p.decision.DPRank
+		if rank >= 0 {
+			hm.SetHeaders = append(hm.SetHeaders, setHeader(HeaderDPRank, strconv.Itoa(rank)))
+		}
+	}
+	for _, k := range p.spoofed {
+		lk := strings.ToLower(k)
+		if (lk == HeaderDestination && p.decision != nil) || (lk == HeaderDPRank && rank >= 0) {
+			continue // overwritten above
+		}
+		hm.RemoveHeaders = append(hm.RemoveHeaders, k)
+	}
+	return hm
+}
+
+func (p *processor) dynamicMetadata() *structpb.Struct {
+	return &structpb.Struct{Fields: map[string]*structpb.Value{
+		NamespaceLB: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
+			HeaderDestination: structpb.NewStringValue(p.destination()),
+		}}),
+	}}
+}
+
+// headersResponse answers the request headers; with decided set it carries
+// the decision.
+func (p *processor) headersResponse(decided bool) *extprocv3.ProcessingResponse {
+	cr := &extprocv3.CommonResponse{HeaderMutation: p.mutation()}
+	out := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{Response: cr}}}
+	if decided {
+		cr.ClearRouteCache = true
+		out.DynamicMetadata = p.dynamicMetadata()
+	}
+	return out
+}
+
+// bufferedBodyResponse carries the decision in BUFFERED mode, body untouched.
+func (p *processor) bufferedBodyResponse() *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{
+			Response: &extprocv3.CommonResponse{HeaderMutation: p.mutation(), ClearRouteCache: true},
+		}},
+		DynamicMetadata: p.dynamicMetadata(),
+	}
+}
+
+// appendBodyChunks re-streams body as StreamedBodyResponse chunks of at most
+// BodyChunkBytes; the last carries end_of_stream when eos is set. An empty
+// body still gets one (empty) chunk.
+func appendBodyChunks(out []*extprocv3.ProcessingResponse, body []byte, eos bool) []*extprocv3.ProcessingResponse {
+	for {
+		n := min(len(body), BodyChunkBytes)
+		last := n == len(body)
+		out = append(out, &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{
+			Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
+				StreamedResponse: &extprocv3.StreamedBodyResponse{Body: body[:n:n], EndOfStream: last && eos},
+			}}},
+		}}})
+		if last {
+			return out
+		}
+		body = body[n:]
+	}
+}
+
+func bodyAck(request bool) *extprocv3.ProcessingResponse {
+	if request {
+		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{}}}
+	}
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{}}}
+}
+
+func (p *processor) onResponseHeaders(h *extprocv3.HttpHeaders) ([]*extprocv3.ProcessingResponse, bool, error) {
+	if p.decision == nil || (p.phase != phaseAwaitResponse && !p.reqBodyPassthrough) {
+		return nil, false, protocolError("response headers in phase %d", p.phase)
+	}
+	p.respPhase = true
+	p.phase = phaseResponseBody
+	for _, hv := range h.GetHeaders().GetHeaders() {
+		switch hv.GetKey() {
+		case ":status":
+			p.status, _ = strconv.Atoi(headerValue(hv))
+		case "content-type":
+			ct := strings.ToLower(headerValue(hv))
+			p.sse = strings.Contains(ct, "text/event-stream")
+			p.json = strings.Contains(ct, "json")
+		}
+	}
+	if p.served != "" && p.served != p.decision.Endpoint {
+		p.s.metrics.servedMismatch.Inc()
+	}
+	if p.sse {
+		p.stream = openai.NewStreamParser(p.s.cfg.MaxSSEEvent)
+	}
+	out := []*extprocv3.ProcessingResponse{{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}}}
+	if h.GetEndOfStream() || p.respMode == filterv3.ProcessingMode_NONE {
+		// No body will come through this stream.
+		p.finish(p.statusKind())
+		return out, true, nil
+	}
+	return out, false, nil
+}
+
+func (p *processor) onResponseBody(b *extprocv3.HttpBody) ([]*extprocv3.ProcessingResponse, bool, error) {
+	if p.phase != phaseResponseBody {
+		if p.phase == phaseDone {
+			return nil, false, nil
+		}
+		return nil, false, protocolError("response body in phase %d", p.phase)
+	}
+	chunk := b.GetBody()
+	p.observeResponse(chunk)
+	eos := b.GetEndOfStream()
+	var out *extprocv3.ProcessingResponse
+	if p.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+		out = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{
+			Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
+				StreamedResponse: &extprocv3.StreamedBodyResponse{Body: chunk, EndOfStream: eos},
+			}}},
+		}}}
+	} else {
+		out = bodyAck(false)
+	}
+	if eos || p.respMode == filterv3.ProcessingMode_BUFFERED {
+		p.finish(p.statusKind())
+		return []*extprocv3.ProcessingResponse{out}, true, nil
+	}
+	return []*extprocv3.ProcessingResponse{out}, false, nil
+}
+
+func (p *processor) onResponseTrailers() ([]*extprocv3.ProcessingResponse, bool, error) {
+	if p.decision == nil {
+		return nil, false, protocolError("response trailers before a decision")
+	}
+	p.finish(p.statusKind())
+	return []*extprocv3.ProcessingResponse{{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}}}, true, nil
+}
+
+// observeResponse feeds a response chunk to the TTFT and usage trackers.
+func (p *processor) observeResponse(chunk []byte) {
+	if len(chunk) == 0 {
+		return
+	}
+	switch {
+	case p.stream != nil:
+		if p.stream.Feed(chunk) && !p.sawContent {
+			p.markFirstContent()
+		}
+	default:
+		if !p.sawContent && p.status >= 200 && p.status < 300 {
+			p.markFirstContent()
+		}
+		if p.json && !p.respOver {
+			if len(p.respBody)+len(chunk) > p.s.cfg.MaxSSEEvent {
+				p.respOver, p.respBody = true, nil
+			} else {
+				p.respBody = append(p.respBody, chunk...)
+			}
+		}
+	}
+}
+
+func (p *processor) markFirstContent() {
+	p.sawContent = true
+	p.ttft = p.s.clk.Now().Sub(p.decision.At)
+}
+
+func (p *processor) statusKind() routing.OutcomeKind {
+	if p.status >= 200 && p.status < 400 {
+		return routing.OutcomeSuccess
+	}
+	return routing.OutcomeUpstreamError
+}
+
+func (p *processor) decided() bool { return p.decision != nil }
+
+// deadline fires when the decision is overdue; nil once decided.
+func (p *processor) deadline() <-chan struct{} { return p.timeout }
+
+// finish ends the decision with an observed outcome.
+func (p *processor) finish(kind routing.OutcomeKind) {
+	p.phase = phaseDone
+	if p.decision == nil || p.decision.Finished() {
+		return
+	}
+	o := routing.NoUsage(kind)
+	o.Served, o.Status = p.served, p.status
+	if kind == routing.OutcomeSuccess || kind == routing.OutcomeUpstreamError {
+		now := p.s.clk.Now()
+		o.Latency = now.Sub(p.decision.At)
+		o.TTFT = p.ttft
+		var u openai.Usage
+		var ok bool
+		if p.stream != nil {
+			u, ok = p.stream.Usage()
+		} else if len(p.respBody) > 0 {
+			u, ok = openai.ParseUsage(p.respBody)
+		}
+		if ok {
+			o.PromptTokens, o.CompletionTokens, o.CachedTokens = u.PromptTokens, u.CompletionTokens, u.CachedTokens
+		}
+	}
+	p.end(o)
+}
+
+// abort ends the decision without a complete response.
+func (p *processor) abort(kind routing.OutcomeKind, reason string) {
+	if reason != "" {
+		p.s.metrics.streamErrors.WithLabelValues(reason).Inc()
+	}
+	p.phase = phaseDone
+	if p.decision == nil || p.decision.Finished() {
+		p.count(p.status)
+		return
+	}
+	o := routing.NoUsage(kind)
+	o.Served, o.Status = p.served, p.status
+	p.end(o)
+}
+
+// finishRejected records a request answered with a local reply.
+func (p *processor) finishRejected(err error) {
+	status := http.StatusInternalServerError
+	if r := Reject(err); r != nil {
+		status = r.Status
+	}
+	p.phase = phaseDone
+	if p.decision != nil && !p.decision.Finished() {
+		p.end(routing.NoUsage(routing.OutcomeRejected))
+	}
+	p.count(status)
+}
+
+func (p *processor) end(o routing.Outcome) {
+	m := p.s.metrics
+	p.decision.Done(o)
+	m.outcomes.WithLabelValues(o.Kind.String()).Inc()
+	if o.TTFT > 0 {
+		m.ttft.Observe(o.TTFT.Seconds())
+	}
+	if o.Latency > 0 {
+		m.latency.Observe(o.Latency.Seconds())
+	}
+	if o.PromptTokens > 0 {
+		m.tokens.WithLabelValues("prompt").Add(float64(o.PromptTokens))
+	}
+	if o.CompletionTokens > 0 {
+		m.tokens.WithLabelValues("completion").Add(float64(o.CompletionTokens))
+	}
+	if o.CachedTokens > 0 {
+		m.tokens.WithLabelValues("cached").Add(float64(o.CachedTokens))
+	}
+	p.count(o.Status)
+}
+
+// count records the request once, by path class and final status.
+func (p *processor) count(status int) {
+	if p.counted || p.path == "" && status == 0 {
+		return
+	}
+	p.counted = true
+	p.s.metrics.requests.WithLabelValues(pathClass(p.kind, p.path), codeClass(status)).Inc()
+}
+
+func pathClass(k openai.Kind, path string) string {
+	switch k {
+	case openai.KindChat:
+		return pathChat
+	case openai.KindCompletion:
+		return pathCompletions
+	}
+	if path, _, _ = strings.Cut(path, "?"); path == "/v1/models" {
+		return pathModels
+	}
+	return pathOther
+}
+
+// endOfStream handles Envoy half-closing the stream.
+func (p *processor) endOfStream() {
+	switch {
+	case p.decision == nil:
+		p.abort(routing.OutcomeCancelled, "")
+	case p.phase == phaseDone:
+	default:
+		// The data plane closed before the response ended: the client or
+		// the upstream went away.
+		p.abort(routing.OutcomeCancelled, "closed_early")
+	}
+}
+
+// close releases the stream's resources; it ends a still-open decision as
+// a reset (a safety net: every path above should have ended it).
+func (p *processor) close() {
+	if p.timer != nil {
+		p.timer.Stop()
+	}
+	if p.held > 0 {
+		p.s.buffered.Add(-p.held)
+		p.held = 0
+	}
+	p.body, p.respBody = nil, nil
+	if p.decision != nil && !p.decision.Finished() {
+		p.abort(routing.OutcomeReset, "unfinished")
+	}
+}

@@ -1,0 +1,309 @@
+package extproc
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvbandit/kvbandit/extproc/openai"
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/clock"
+)
+
+// Defaults for [Config].
+const (
+	DefaultMaxBodyBytes    = 16 << 20
+	DefaultMaxInflight     = 1024
+	DefaultDecisionTimeout = 30 * time.Second
+	// BodyChunkBytes is the largest StreamedBodyResponse chunk we send
+	// (Envoy recommends at most 64 KiB; GIE uses 62,000).
+	BodyChunkBytes = 62000
+	// DefaultMaxSSEEvent bounds one buffered SSE event on the response path.
+	DefaultMaxSSEEvent = 1 << 20
+)
+
+// Config holds the server's limits and switches.
+type Config struct {
+	// MaxBodyBytes is the largest request body accepted (413 beyond).
+	MaxBodyBytes int64
+	// MaxInflight is the number of concurrent streams (503 beyond).
+	MaxInflight int
+	// MaxBufferedBytes bounds the request bytes buffered across all
+	// streams (503 beyond); 0 means 4 × MaxBodyBytes, at least 256 MiB.
+	MaxBufferedBytes int64
+	// DecisionTimeout bounds request headers → decision (503 beyond). It
+	// never applies to the response phase.
+	DecisionTimeout time.Duration
+	// ResponseProcessing keeps the stream open for the response, which
+	// feeds outcomes back. When false the stream closes cleanly after the
+	// request phase.
+	ResponseProcessing bool
+	// TenantHeader names the request header that carries the tenant.
+	TenantHeader string
+	// MaxSSEEvent bounds one buffered SSE event.
+	MaxSSEEvent int
+}
+
+func (c *Config) defaults() {
+	if c.MaxBodyBytes <= 0 {
+		c.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if c.MaxInflight <= 0 {
+		c.MaxInflight = DefaultMaxInflight
+	}
+	if c.MaxBufferedBytes <= 0 {
+		c.MaxBufferedBytes = max(4*c.MaxBodyBytes, 256<<20)
+	}
+	if c.DecisionTimeout <= 0 {
+		c.DecisionTimeout = DefaultDecisionTimeout
+	}
+	if c.MaxSSEEvent <= 0 {
+		c.MaxSSEEvent = DefaultMaxSSEEvent
+	}
+}
+
+// Tokenizer turns a parsed request into token ids. It is optional; without
+// one the server estimates the token count from the prompt's bytes.
+type Tokenizer interface {
+	Encode(ctx context.Context, req *openai.Request) ([]uint32, error)
+}
+
+// Deps are the server's injected dependencies; nil fields get defaults
+// except Picker, which is required.
+type Deps struct {
+	Picker    routing.Picker
+	Tokenizer Tokenizer
+	Logger    *slog.Logger
+	Registry  prometheus.Registerer
+	Clock     clock.Clock
+}
+
+// Server implements the ext_proc ExternalProcessor service.
+type Server struct {
+	extprocv3.UnimplementedExternalProcessorServer
+
+	cfg     Config
+	picker  routing.Picker
+	tok     Tokenizer
+	log     *slog.Logger
+	clk     clock.Clock
+	metrics *Metrics
+
+	streams  atomic.Int64
+	buffered atomic.Int64
+
+	drainOnce sync.Once
+	drain     chan struct{}
+	wg        sync.WaitGroup
+}
+
+var _ extprocv3.ExternalProcessorServer = (*Server)(nil)
+
+// NewServer returns a server. deps.Picker must be set.
+func NewServer(cfg Config, deps Deps) *Server {
+	cfg.defaults()
+	s := &Server{cfg: cfg, picker: deps.Picker, tok: deps.Tokenizer, log: deps.Logger, clk: clock.Or(deps.Clock), drain: make(chan struct{})}
+	if s.log == nil {
+		s.log = slog.Default()
+	}
+	s.metrics = NewMetrics(deps.Registry, func() float64 { return float64(s.buffered.Load()) })
+	return s
+}
+
+// Config returns the effective configuration.
+func (s *Server) Config() Config { return s.cfg }
+
+// Streams returns the number of open streams.
+func (s *Server) Streams() int64 { return s.streams.Load() }
+
+// Drain tells every open stream to finish now: streams still in the
+// request phase are answered 503 shutting_down, streams in the response
+// phase echo what they have received and close with gRPC OK (their
+// decisions end as abandoned). New streams are refused with 503. Drain
+// returns at once; Wait blocks until the streams are gone.
+func (s *Server) Drain() { s.drainOnce.Do(func() { close(s.drain) }) }
+
+// Wait blocks until every stream has ended or ctx is done.
+func (s *Server) Wait(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() { s.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+type recvResult struct {
+	msg *extprocv3.ProcessingRequest
+	err error
+}
+
+// Process implements [extprocv3.ExternalProcessorServer]. It only moves
+// messages: protocol state lives in the per-stream processor.
+func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
+	s.wg.Add(1)
+	defer s.wg.Done()
+	s.metrics.streams.Inc()
+	defer s.metrics.streams.Dec()
+	n := s.streams.Add(1)
+	defer s.streams.Add(-1)
+
+	ctx := stream.Context()
+	p := newProcessor(s)
+	defer p.close()
+
+	// Admission before anything is buffered: a stream over the limit, or
+	// one that opens while draining, is answered at its first message.
+	var refuse error
+	select {
+	case <-s.drain:
+		refuse = ErrShuttingDown
+	default:
+		if n > int64(s.cfg.MaxInflight) {
+			refuse = ErrTooManyStreams
+		}
+	}
+	if refuse != nil {
+		if _, err := stream.Recv(); err != nil {
+			return nil
+		}
+		p.finishRejected(refuse)
+		return s.send(stream, []*extprocv3.ProcessingResponse{Reject(refuse).immediate()})
+	}
+
+	msgs := make(chan recvResult, 8)
+	readerDone := make(chan struct{})
+	go func() {
+		defer close(readerDone)
+		for {
+			m, err := stream.Recv()
+			select {
+			case msgs <- recvResult{m, err}:
+			case <-ctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	// The reader exits on ctx.Done (Process returning cancels the stream
+	// context) or on a Recv error.
+	defer func() { <-readerDone }()
+
+	drain := s.drain
+	for {
+		select {
+		case r := <-msgs:
+			if r.err != nil {
+				if errors.Is(r.err, io.EOF) {
+					p.endOfStream()
+					return nil
+				}
+				p.abort(routing.OutcomeReset, "recv_error")
+				if status.Code(r.err) == codes.Canceled {
+					return nil
+				}
+				return r.err
+			}
+			out, done, err := p.handle(ctx, r.msg)
+			if err != nil {
+				return s.fail(stream, p, err)
+			}
+			if sendErr := s.send(stream, out); sendErr != nil {
+				p.abort(routing.OutcomeReset, "send_error")
+				return sendErr
+			}
+			if done {
+				return nil
+			}
+		case <-p.deadline():
+			return s.fail(stream, p, ErrDecisionTimeout)
+		case <-drain:
+			drain = nil
+			// Handle what the reader already received, so every chunk that
+			// reached us is echoed back before the close.
+			if done, err := s.flush(ctx, stream, p, msgs); done {
+				return err
+			}
+			if !p.decided() {
+				return s.fail(stream, p, ErrShuttingDown)
+			}
+			p.abort(routing.OutcomeAbandoned, "")
+			return nil
+		case <-ctx.Done():
+			p.abort(routing.OutcomeCancelled, "context_done")
+			return nil
+		}
+	}
+}
+
+// flush handles the messages already received without waiting for more.
+// It reports whether the stream is finished, with the error to return.
+func (s *Server) flush(ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer, p *processor, msgs <-chan recvResult) (bool, error) {
+	for {
+		select {
+		case r := <-msgs:
+			if r.err != nil {
+				p.abort(routing.OutcomeAbandoned, "")
+				return true, nil
+			}
+			out, done, err := p.handle(ctx, r.msg)
+			if err != nil {
+				return true, s.fail(stream, p, err)
+			}
+			if err := s.send(stream, out); err != nil {
+				p.abort(routing.OutcomeReset, "send_error")
+				return true, err
+			}
+			if done {
+				return true, nil
+			}
+		default:
+			return false, nil
+		}
+	}
+}
+
+// fail ends the stream for err: a rejection is sent as an
+// ImmediateResponse and the stream closes cleanly; anything else ends the
+// stream with a gRPC error status.
+func (s *Server) fail(stream extprocv3.ExternalProcessor_ProcessServer, p *processor, err error) error {
+	if r := Reject(err); r != nil {
+		p.finishRejected(err)
+		if p.respPhase {
+			// Too late for a local reply: the response has started.
+			p.abort(routing.OutcomeReset, "late_rejection")
+			return grpcError(err)
+		}
+		return s.send(stream, []*extprocv3.ProcessingResponse{r.immediate()})
+	}
+	reason := "internal"
+	kind := routing.OutcomeReset
+	if errors.Is(err, ErrProtocol) {
+		reason = "protocol"
+	}
+	p.abort(kind, reason)
+	s.log.Warn("ext_proc stream failed", "err", err, "request_id", p.requestID)
+	return grpcError(err)
+}
+
+func (s *Server) send(stream extprocv3.ExternalProcessor_ProcessServer, out []*extprocv3.ProcessingResponse) error {
+	for _, m := range out {
+		if err := stream.Send(m); err != nil {
+			return err
+		}
+	}
+	return nil
+}

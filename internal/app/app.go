@@ -1,0 +1,94 @@
+// Package app implements kvbandit's command line: flag parsing, wiring of
+// the servers, and the subcommands. main only installs signal handling and
+// calls [Run].
+package app
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"runtime/debug"
+	"sort"
+	"strings"
+)
+
+// ErrUsage marks command-line mistakes (exit code 2).
+var ErrUsage = errors.New("usage")
+
+// ExitCode maps an error from Run to a process exit code.
+func ExitCode(err error) int {
+	switch {
+	case err == nil:
+		return 0
+	case errors.Is(err, ErrUsage), errors.Is(err, flag.ErrHelp):
+		return 2
+	}
+	return 1
+}
+
+type command struct {
+	summary string
+	run     func(ctx context.Context, args []string, stdout, stderr io.Writer) error
+}
+
+func commands() map[string]command {
+	return map[string]command{
+		"serve":   {"run the ext_proc endpoint picker", runServe},
+		"version": {"print the version", runVersion},
+	}
+}
+
+// Run executes the subcommand named by args[0].
+func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	cmds := commands()
+	if len(args) == 0 || args[0] == "help" || args[0] == "-h" || args[0] == "--help" {
+		usage(stderr, cmds)
+		if len(args) == 0 {
+			return fmt.Errorf("%w: no command", ErrUsage)
+		}
+		return nil
+	}
+	c, ok := cmds[args[0]]
+	if !ok {
+		usage(stderr, cmds)
+		return fmt.Errorf("%w: unknown command %q", ErrUsage, args[0])
+	}
+	err := c.run(ctx, args[1:], stdout, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return nil
+	}
+	return err
+}
+
+func usage(w io.Writer, cmds map[string]command) {
+	names := make([]string, 0, len(cmds))
+	for n := range cmds {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	var b strings.Builder
+	b.WriteString("kvbandit: the KV-cache-aware inference router for Envoy (ext_proc endpoint picker)\n\nUsage: kvbandit <command> [flags]\n\nCommands:\n")
+	for _, n := range names {
+		fmt.Fprintf(&b, "  %-9s %s\n", n, cmds[n].summary)
+	}
+	b.WriteString("\nRun 'kvbandit <command> -h' for a command's flags.\n")
+	io.WriteString(w, b.String())
+}
+
+// Version returns the module version recorded in the binary.
+func Version() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		return bi.Main.Version
+	}
+	return "(devel)"
+}
+
+func runVersion(_ context.Context, args []string, stdout, _ io.Writer) error {
+	if len(args) > 0 {
+		return fmt.Errorf("%w: version takes no arguments", ErrUsage)
+	}
+	fmt.Fprintln(stdout, "kvbandit", Version())
+	return nil
+}

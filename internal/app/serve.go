@@ -1,0 +1,355 @@
+package app
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/reflection"
+
+	"github.com/kvbandit/kvbandit/extproc"
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/policy"
+)
+
+// Health service names (GIE endpoint picker protocol).
+const (
+	healthLiveness  = "liveness"
+	healthReadiness = "readiness"
+	healthExtProc   = "envoy.service.ext_proc.v3.ExternalProcessor"
+)
+
+// ServeOptions are the `kvbandit serve` flags.
+type ServeOptions struct {
+	GRPCAddr           string
+	HealthAddr         string
+	MetricsAddr        string
+	Endpoints          string
+	ConfigPath         string
+	Policy             string
+	Seed               int64
+	MaxBodyBytes       int64
+	MaxInflight        int
+	MaxBufferedBytes   int64
+	Fallbacks          int
+	DecisionTimeout    time.Duration
+	DrainTimeout       time.Duration
+	TenantHeader       string
+	ResponseProcessing bool
+	LogLevel           string
+	LogFormat          string
+}
+
+// AddFlags registers the options on fs with their defaults.
+func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
+	fs.StringVar(&o.GRPCAddr, "grpc-addr", ":9002", "ext_proc gRPC listen address")
+	fs.StringVar(&o.HealthAddr, "health-addr", ":9003", "gRPC health listen address (services liveness, readiness, "+healthExtProc+")")
+	fs.StringVar(&o.MetricsAddr, "metrics-addr", ":9090", "Prometheus /metrics and /debug admin listen address; empty disables")
+	fs.StringVar(&o.Endpoints, "endpoints", "", "static workers \"ip:port[,ip:port...]\" (the same list as the Envoy cluster's hosts)")
+	fs.StringVar(&o.ConfigPath, "config", "", "YAML config file (endpoints with metadata, policy parameters)")
+	fs.StringVar(&o.Policy, "policy", policy.Default, "routing policy: "+strings.Join(policy.Builtin().Names(), " | "))
+	fs.Int64Var(&o.Seed, "seed", 0, "random seed for reproducible decisions (0 = random)")
+	fs.Int64Var(&o.MaxBodyBytes, "max-body-bytes", extproc.DefaultMaxBodyBytes, "largest request body accepted (413 beyond, on the first chunk that crosses it)")
+	fs.IntVar(&o.MaxInflight, "max-inflight", extproc.DefaultMaxInflight, "concurrent ext_proc streams (503 beyond, before any buffering)")
+	fs.Int64Var(&o.MaxBufferedBytes, "max-buffered-bytes", 0, "request body bytes buffered across all streams (503 beyond); 0 = max(4 x max-body-bytes, 256 MiB)")
+	fs.IntVar(&o.Fallbacks, "fallbacks", 0, "extra endpoints appended to the destination list; keep 0 with ORIGINAL_DST data planes")
+	fs.DurationVar(&o.DecisionTimeout, "decision-timeout", extproc.DefaultDecisionTimeout, "request headers -> decision deadline (503 decision_timeout beyond); never applies to the response")
+	fs.DurationVar(&o.DrainTimeout, "drain-timeout", 25*time.Second, "on SIGTERM: readiness goes NOT_SERVING, open streams get this long to finish before they are closed")
+	fs.StringVar(&o.TenantHeader, "tenant-header", "", "request header, set by the gateway, that scopes prefix state per tenant")
+	fs.BoolVar(&o.ResponseProcessing, "response-processing", true, "keep the ext_proc stream for the response (outcomes, TTFT, load accounting); false closes it after the request phase")
+	fs.StringVar(&o.LogLevel, "log-level", "info", "debug | info | warn | error")
+	fs.StringVar(&o.LogFormat, "log-format", "text", "text | json")
+}
+
+// Validate checks the options.
+func (o *ServeOptions) Validate() error {
+	var errs []error
+	if o.GRPCAddr == "" {
+		errs = append(errs, errors.New("--grpc-addr must not be empty"))
+	}
+	if o.HealthAddr == "" {
+		errs = append(errs, errors.New("--health-addr must not be empty"))
+	}
+	if o.MaxBodyBytes <= 0 {
+		errs = append(errs, errors.New("--max-body-bytes must be > 0"))
+	}
+	if o.MaxInflight <= 0 {
+		errs = append(errs, errors.New("--max-inflight must be > 0"))
+	}
+	if o.MaxBufferedBytes < 0 {
+		errs = append(errs, errors.New("--max-buffered-bytes must be >= 0"))
+	}
+	if o.MaxBufferedBytes > 0 && o.MaxBufferedBytes < o.MaxBodyBytes {
+		errs = append(errs, errors.New("--max-buffered-bytes must be >= --max-body-bytes"))
+	}
+	if o.Fallbacks < 0 {
+		errs = append(errs, errors.New("--fallbacks must be >= 0"))
+	}
+	if o.DecisionTimeout <= 0 {
+		errs = append(errs, errors.New("--decision-timeout must be > 0"))
+	}
+	if o.DrainTimeout < 0 {
+		errs = append(errs, errors.New("--drain-timeout must be >= 0"))
+	}
+	if o.Endpoints == "" && o.ConfigPath == "" {
+		errs = append(errs, errors.New("no workers: give --endpoints or --config with endpoints"))
+	}
+	if _, err := parseLevel(o.LogLevel); err != nil {
+		errs = append(errs, err)
+	}
+	if o.LogFormat != "text" && o.LogFormat != "json" {
+		errs = append(errs, fmt.Errorf("--log-format %q: want text or json", o.LogFormat))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	return nil
+}
+
+func parseLevel(s string) (slog.Level, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(s)); err != nil {
+		return 0, fmt.Errorf("--log-level %q: %w", s, err)
+	}
+	return l, nil
+}
+
+func newLogger(w io.Writer, level, format string) *slog.Logger {
+	l, _ := parseLevel(level)
+	ho := &slog.HandlerOptions{Level: l}
+	if format == "json" {
+		return slog.New(slog.NewJSONHandler(w, ho))
+	}
+	return slog.New(slog.NewTextHandler(w, ho))
+}
+
+func runServe(ctx context.Context, args []string, _, stderr io.Writer) error {
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var o ServeOptions
+	o.AddFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("%w: unexpected arguments %q", ErrUsage, fs.Args())
+	}
+	if err := o.Validate(); err != nil {
+		return err
+	}
+	return Serve(ctx, o, newLogger(stderr, o.LogLevel, o.LogFormat), nil)
+}
+
+// Listeners lets a caller (tests, demo) pass listeners it already bound;
+// nil fields are bound from the options' addresses.
+type Listeners struct {
+	GRPC, Health, Metrics net.Listener
+	// Ready, when set, receives the bound addresses once serving.
+	Ready func(grpc, health, metrics string)
+}
+
+// Serve runs the ext_proc server until ctx ends, then shuts down
+// gracefully: readiness goes NOT_SERVING, open streams get DrainTimeout to
+// finish, then request-phase streams are answered 503 and response-phase
+// streams are closed after echoing what they received.
+func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners) error {
+	if ls == nil {
+		ls = &Listeners{}
+	}
+	var fileCfg FileConfig
+	if o.ConfigPath != "" {
+		c, err := LoadConfig(o.ConfigPath)
+		if err != nil {
+			return err
+		}
+		fileCfg = *c
+	}
+	set := routing.EndpointSet{Source: "config", Endpoints: fileCfg.Endpoints}
+	if o.Endpoints != "" {
+		if len(fileCfg.Endpoints) > 0 {
+			return fmt.Errorf("%w: give endpoints in --endpoints or in the config file, not both", ErrUsage)
+		}
+		s, err := routing.ParseEndpointList(o.Endpoints)
+		if err != nil {
+			return fmt.Errorf("--endpoints: %w", err)
+		}
+		set = s
+	}
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+
+	rnd := routing.NewRand(o.Seed)
+	pol, err := policy.Builtin().New(o.Policy, policy.Deps{Logger: log, Rand: rnd})
+	if err != nil {
+		return fmt.Errorf("%w: --policy: %w", ErrUsage, err)
+	}
+	if aware, ok := pol.(routing.OutcomeAware); ok && aware.NeedsOutcomes() && !o.ResponseProcessing {
+		log.Warn("response processing is off: decisions end at pick time, so in-flight counts, rewards and TTFT are not observed; the policy works blind", "policy", pol.Name())
+	}
+	engine := routing.NewEngine(pol, routing.Options{Fallbacks: o.Fallbacks, PassThroughUnknownModels: fileCfg.PassThroughUnknownModels}, routing.Deps{Logger: log, Rand: rnd})
+	if err := engine.Update(set); err != nil {
+		return err
+	}
+	reg.MustRegister(routing.NewCollector(engine))
+
+	ep := extproc.NewServer(extproc.Config{
+		MaxBodyBytes:       o.MaxBodyBytes,
+		MaxInflight:        o.MaxInflight,
+		MaxBufferedBytes:   o.MaxBufferedBytes,
+		DecisionTimeout:    o.DecisionTimeout,
+		ResponseProcessing: o.ResponseProcessing,
+		TenantHeader:       o.TenantHeader,
+	}, extproc.Deps{Picker: engine, Logger: log, Registry: reg})
+
+	// BUFFERED mode sends the whole body in one message: the receive limit
+	// must hold the largest body plus the message framing.
+	maxMsg := int(min(o.MaxBodyBytes, 1<<30)) + 64<<10
+	gs := grpc.NewServer(
+		grpc.MaxRecvMsgSize(maxMsg),
+		grpc.MaxConcurrentStreams(uint32(min(o.MaxInflight*2, 1<<20))),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+	)
+	extprocv3.RegisterExternalProcessorServer(gs, ep)
+	reflection.Register(gs)
+
+	hs := health.NewServer()
+	hgs := grpc.NewServer()
+	healthpb.RegisterHealthServer(hgs, hs)
+	reflection.Register(hgs)
+	setReady := func(ready bool) {
+		st := healthpb.HealthCheckResponse_NOT_SERVING
+		if ready {
+			st = healthpb.HealthCheckResponse_SERVING
+		}
+		hs.SetServingStatus(healthReadiness, st)
+		hs.SetServingStatus(healthExtProc, st)
+		hs.SetServingStatus("", st)
+	}
+	hs.SetServingStatus(healthLiveness, healthpb.HealthCheckResponse_SERVING)
+	setReady(false)
+
+	listen := func(l net.Listener, addr string) (net.Listener, error) {
+		if l != nil {
+			return l, nil
+		}
+		return net.Listen("tcp", addr)
+	}
+	gl, err := listen(ls.GRPC, o.GRPCAddr)
+	if err != nil {
+		return fmt.Errorf("--grpc-addr: %w", err)
+	}
+	hl, err := listen(ls.Health, o.HealthAddr)
+	if err != nil {
+		gl.Close()
+		return fmt.Errorf("--health-addr: %w", err)
+	}
+	var ml net.Listener
+	var hsrv *http.Server
+	if ls.Metrics != nil || o.MetricsAddr != "" {
+		if ml, err = listen(ls.Metrics, o.MetricsAddr); err != nil {
+			gl.Close()
+			hl.Close()
+			return fmt.Errorf("--metrics-addr: %w", err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+		mux.HandleFunc("/debug/endpoints", func(w http.ResponseWriter, _ *http.Request) {
+			type row struct {
+				routing.Endpoint
+				InFlight  int64 `json:"inflight"`
+				Decisions int64 `json:"decisions"`
+			}
+			var rows []row
+			for _, st := range engine.Endpoints() {
+				rows = append(rows, row{st.Endpoint, st.InFlight.Load(), st.Decisions.Load()})
+			}
+			w.Header().Set("content-type", "application/json")
+			json.NewEncoder(w).Encode(map[string]any{"policy": pol.Name(), "endpoints": rows, "streams": ep.Streams()})
+		})
+		hsrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	}
+
+	errc := make(chan error, 3)
+	go func() { errc <- serveGRPC(gs, gl, "ext_proc") }()
+	go func() { errc <- serveGRPC(hgs, hl, "health") }()
+	if hsrv != nil {
+		go func() {
+			if err := hsrv.Serve(ml); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				errc <- fmt.Errorf("metrics: %w", err)
+			}
+		}()
+	}
+	setReady(engine.Ready())
+	maddr := ""
+	if ml != nil {
+		maddr = ml.Addr().String()
+	}
+	log.Info("kvbandit serving", "version", Version(), "grpc", gl.Addr().String(), "health", hl.Addr().String(), "metrics", maddr, "policy", pol.Name(), "endpoints", len(set.Endpoints))
+	if ls.Ready != nil {
+		ls.Ready(gl.Addr().String(), hl.Addr().String(), maddr)
+	}
+
+	var runErr error
+	select {
+	case <-ctx.Done():
+	case runErr = <-errc:
+	}
+
+	// Shutdown: readiness first, so Envoy stops sending new streams.
+	log.Info("shutting down", "drain_timeout", o.DrainTimeout, "streams", ep.Streams())
+	setReady(false)
+	hs.Shutdown()
+	drainCtx, cancel := context.WithTimeout(context.Background(), o.DrainTimeout)
+	if err := ep.Wait(drainCtx); err != nil {
+		log.Warn("drain deadline reached; closing open streams", "streams", ep.Streams())
+	}
+	cancel()
+	ep.Drain()
+	closeCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	if err := ep.Wait(closeCtx); err != nil {
+		log.Warn("streams still open after drain; stopping", "streams", ep.Streams())
+	}
+	cancel()
+	stopped := make(chan struct{})
+	go func() { gs.GracefulStop(); close(stopped) }()
+	select {
+	case <-stopped:
+	case <-time.After(2 * time.Second):
+		gs.Stop()
+	}
+	hgs.Stop()
+	if hsrv != nil {
+		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		hsrv.Shutdown(sctx)
+		cancel()
+	}
+	log.Info("stopped")
+	return runErr
+}
+
+func serveGRPC(s *grpc.Server, l net.Listener, name string) error {
+	if err := s.Serve(l); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return fmt.Errorf("%s: %w", name, err)
+	}
+	return nil
+}
