@@ -182,10 +182,11 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 		return s.send(stream, []*extprocv3.ProcessingResponse{Reject(refuse).immediate()})
 	}
 
+	// The reader goroutine ends on a Recv error or when the stream context
+	// is done, which gRPC guarantees once Process returns; it is not waited
+	// for here, since it may be blocked in Recv until then.
 	msgs := make(chan recvResult, 8)
-	readerDone := make(chan struct{})
 	go func() {
-		defer close(readerDone)
 		for {
 			m, err := stream.Recv()
 			select {
@@ -198,9 +199,6 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			}
 		}
 	}()
-	// The reader exits on ctx.Done (Process returning cancels the stream
-	// context) or on a Recv error.
-	defer func() { <-readerDone }()
 
 	drain := s.drain
 	for {

@@ -1,0 +1,69 @@
+# kvbandit — run `make` for the list of targets.
+SHELL := /usr/bin/env bash -o pipefail
+GO    ?= go
+PKGS  := ./...
+# Packages outside e2e/ (unit tests, golden exchanges, fuzz seed corpora).
+UNIT  := $(shell $(GO) list ./... | grep -v '/e2e')
+BIN   := bin/kvbandit
+
+.DEFAULT_GOAL := help
+
+.PHONY: help
+help: ## list targets
+	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+.PHONY: build
+build: ## build bin/kvbandit
+	$(GO) build -o $(BIN) ./cmd/kvbandit
+
+.PHONY: run
+run: build ## run `kvbandit serve` on loopback with two example endpoints
+	./$(BIN) serve --grpc-addr 127.0.0.1:9002 --health-addr 127.0.0.1:9003 --metrics-addr 127.0.0.1:9090 --endpoints 127.0.0.1:8001,127.0.0.1:8002
+
+.PHONY: test
+test: vet unit e2e bench-smoke ## every suite: vet, unit (race), e2e (race), each benchmark once
+
+.PHONY: vet
+vet: ## go vet
+	$(GO) vet $(PKGS)
+
+.PHONY: unit
+unit: ## unit tests, golden exchanges and fuzz seed corpora, with -race
+	$(GO) test -race -count=1 -timeout 10m $(UNIT)
+
+.PHONY: e2e
+e2e: ## end-to-end suites: the real binary, real gRPC, real HTTP workers, the Envoy-faithful client
+	$(GO) test -race -count=1 -timeout 15m ./e2e/...
+
+.PHONY: bench-smoke
+bench-smoke: ## run every benchmark once so they cannot rot
+	$(GO) test -run '^$$' -bench . -benchtime=1x -timeout 10m $(PKGS)
+
+.PHONY: bench
+bench: ## benchmarks for benchstat: make bench > new.txt; benchstat old.txt new.txt
+	$(GO) test -run '^$$' -bench . -benchmem -count 6 -timeout 60m $(PKGS)
+
+.PHONY: fuzz
+fuzz: ## run each fuzz target for FUZZTIME (default 30s)
+	@for pkg in ./extproc/openai ./extproc/hints; do \
+	  for f in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
+	    echo "== $$pkg $$f"; $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $${FUZZTIME:-30s} $$pkg || exit 1; \
+	  done; \
+	done
+
+.PHONY: lint
+lint: ## gofmt, go vet and the import-boundary check
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet $(PKGS)
+	$(GO) test -count=1 -run TestImportBoundaries ./internal/archtest/
+
+.PHONY: verify
+verify: lint ## lint, go mod tidy, Envoy config validation, examples build, clean tree
+	$(GO) mod tidy -diff
+	$(GO) test -count=1 ./envoy/
+	$(GO) build ./examples/... ./cmd/...
+	git diff --exit-code
+
+.PHONY: clean
+clean: ## remove build output
+	rm -rf bin

@@ -1,0 +1,495 @@
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/kvbandit/kvbandit/e2e/envoysim"
+	"github.com/kvbandit/kvbandit/e2e/worker"
+)
+
+// kvbanditBin is the race-enabled binary TestMain builds.
+var kvbanditBin string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "kvbandit-e2e-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		os.Exit(1)
+	}
+	if err := build(dir); err != nil {
+		fmt.Fprintln(os.Stderr, "e2e: building kvbandit:", err)
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}
+	goleak.VerifyTestMain(m, goleak.Cleanup(func(code int) {
+		os.RemoveAll(dir)
+		os.Exit(code)
+	}))
+}
+
+func build(dir string) error {
+	out, err := exec.Command("go", "env", "GOMOD").Output()
+	if err != nil {
+		return fmt.Errorf("go env GOMOD: %w", err)
+	}
+	root := filepath.Dir(strings.TrimSpace(string(out)))
+	kvbanditBin = filepath.Join(dir, "kvbandit")
+	cmd := exec.Command("go", "build", "-race", "-o", kvbanditBin, "./cmd/kvbandit")
+	cmd.Dir = root
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	return cmd.Run()
+}
+
+// ---- the kvbandit process ------------------------------------------------------
+
+// kvb is one `kvbandit serve` process.
+type kvb struct {
+	grpcAddr, healthAddr, metricsAddr string
+	endpoints                         []string
+
+	cmd      *exec.Cmd
+	out      *syncBuffer
+	exited   chan struct{}
+	waitErr  error
+	signaled bool
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// freeAddr returns a loopback address that was free a moment ago.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// startKvbandit runs `kvbandit serve` for endpoints (nil: none on the
+// command line) with extra flags (default policy round_robin, seed 1),
+// waits for readiness and, at the end of the test, checks that every
+// decision was released and that SIGTERM makes it exit 0.
+func startKvbandit(t *testing.T, endpoints []string, extra ...string) *kvb {
+	t.Helper()
+	k := &kvb{
+		grpcAddr:    freeAddr(t),
+		healthAddr:  freeAddr(t),
+		metricsAddr: freeAddr(t),
+		endpoints:   endpoints,
+		out:         &syncBuffer{},
+		exited:      make(chan struct{}),
+	}
+	args := []string{"serve",
+		"--grpc-addr", k.grpcAddr, "--health-addr", k.healthAddr, "--metrics-addr", k.metricsAddr,
+		"--seed", "1"}
+	if len(endpoints) > 0 {
+		args = append(args, "--endpoints", strings.Join(endpoints, ","))
+	}
+	if !slices.ContainsFunc(extra, func(a string) bool { return strings.HasPrefix(a, "--policy") }) {
+		args = append(args, "--policy", "round_robin")
+	}
+	args = append(args, extra...)
+	k.cmd = exec.Command(kvbanditBin, args...)
+	k.cmd.Stdout, k.cmd.Stderr = k.out, k.out
+	if err := k.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		k.waitErr = k.cmd.Wait()
+		close(k.exited)
+	}()
+	t.Cleanup(func() { k.stop(t) })
+	t.Cleanup(func() {
+		if k.signaled {
+			return // stopped by the test
+		}
+		// Whatever the test did, every decision ends up released.
+		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+		defer cancel()
+		if err := k.released(ctx); err != nil {
+			t.Errorf("at the end of the test: %v", err)
+		}
+	})
+	k.waitReady(t)
+	return k
+}
+
+func (k *kvb) waitReady(t *testing.T) {
+	t.Helper()
+	conn, err := grpc.NewClient(k.healthAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	hc := healthpb.NewHealthClient(conn)
+	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+	defer cancel()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	var last string
+	for {
+		cctx, ccancel := context.WithTimeout(ctx, time.Second)
+		resp, err := hc.Check(cctx, &healthpb.HealthCheckRequest{Service: "readiness"})
+		ccancel()
+		if err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING {
+			return
+		}
+		last = fmt.Sprint(resp.GetStatus(), err)
+		select {
+		case <-k.exited:
+			t.Fatalf("kvbandit exited before it was ready (%v):\n%s", k.waitErr, k.out)
+		case <-ctx.Done():
+			t.Fatalf("kvbandit not ready after 60 s (last: %s):\n%s", last, k.out)
+		case <-tick.C:
+		}
+	}
+}
+
+// terminate sends SIGTERM.
+func (k *kvb) terminate(t *testing.T) {
+	t.Helper()
+	k.signaled = true
+	if err := k.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Errorf("SIGTERM: %v", err)
+	}
+}
+
+// waitExit waits for the process to exit after SIGTERM and checks it
+// exited 0.
+func (k *kvb) waitExit(t *testing.T, within time.Duration) {
+	t.Helper()
+	timer := time.NewTimer(within)
+	defer timer.Stop()
+	select {
+	case <-k.exited:
+		if k.waitErr != nil {
+			t.Errorf("kvbandit exited with %v after SIGTERM", k.waitErr)
+		}
+	case <-timer.C:
+		t.Errorf("kvbandit still running %v after SIGTERM; killing it", within)
+		_ = k.cmd.Process.Kill()
+		<-k.exited
+	}
+}
+
+func (k *kvb) stop(t *testing.T) {
+	select {
+	case <-k.exited:
+		if !k.signaled {
+			t.Errorf("kvbandit exited on its own: %v", k.waitErr)
+		}
+	default:
+		if !k.signaled {
+			k.terminate(t)
+		}
+	}
+	k.waitExit(t, 30*time.Second)
+	if t.Failed() {
+		t.Logf("kvbandit output:\n%s", k.out)
+	}
+}
+
+// ---- metrics --------------------------------------------------------------------------
+
+type sample struct {
+	name   string
+	labels map[string]string
+	value  float64
+}
+
+func (k *kvb) scrape(ctx context.Context) ([]sample, error) {
+	req, err := http.NewRequestWithContext(ctx, "GET", "http://"+k.metricsAddr+"/metrics", nil)
+	if err != nil {
+		return nil, err
+	}
+	tr := &http.Transport{DisableKeepAlives: true}
+	defer tr.CloseIdleConnections()
+	resp, err := (&http.Client{Transport: tr}).Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("/metrics: %s", resp.Status)
+	}
+	var out []sample
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		if i < 0 {
+			continue
+		}
+		v, err := strconv.ParseFloat(line[i+1:], 64)
+		if err != nil {
+			continue
+		}
+		s := sample{name: line[:i], labels: map[string]string{}, value: v}
+		if j := strings.IndexByte(s.name, '{'); j >= 0 {
+			for _, kv := range strings.Split(strings.TrimSuffix(s.name[j+1:], "}"), ",") {
+				if key, val, ok := strings.Cut(kv, "="); ok {
+					s.labels[key] = strings.Trim(val, `"`)
+				}
+			}
+			s.name = s.name[:j]
+		}
+		out = append(out, s)
+	}
+	return out, sc.Err()
+}
+
+// metric sums the samples of name whose labels include want.
+func metric(samples []sample, name string, want map[string]string) float64 {
+	var sum float64
+	for _, s := range samples {
+		if s.name != name {
+			continue
+		}
+		ok := true
+		for k, v := range want {
+			if s.labels[k] != v {
+				ok = false
+			}
+		}
+		if ok {
+			sum += s.value
+		}
+	}
+	return sum
+}
+
+// released waits until kvbandit_endpoint_inflight is 0 for every endpoint.
+func (k *kvb) released(ctx context.Context) error {
+	return poll(ctx, func() (bool, string) {
+		samples, err := k.scrape(ctx)
+		if err != nil {
+			return false, err.Error()
+		}
+		var busy []string
+		for _, s := range samples {
+			if s.name == "kvbandit_endpoint_inflight" && s.value != 0 {
+				busy = append(busy, fmt.Sprintf("%s=%v", s.labels["endpoint"], s.value))
+			}
+		}
+		return len(busy) == 0, "kvbandit_endpoint_inflight not back to 0: " + strings.Join(busy, ", ")
+	})
+}
+
+// waitReleased fails the test unless every decision is released soon.
+func (k *kvb) waitReleased(t *testing.T) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if err := k.released(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitMetric waits until metric(name, labels) == want.
+func (k *kvb) waitMetric(t *testing.T, name string, labels map[string]string, want float64) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	err := poll(ctx, func() (bool, string) {
+		samples, err := k.scrape(ctx)
+		if err != nil {
+			return false, err.Error()
+		}
+		got := metric(samples, name, labels)
+		return got == want, fmt.Sprintf("%s%v = %v, want %v", name, labels, got, want)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// poll calls cond until it holds or ctx ends; the error carries cond's
+// last explanation.
+func poll(ctx context.Context, cond func() (bool, string)) error {
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		ok, why := cond()
+		if ok {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return errors.New(why)
+		case <-tick.C:
+		}
+	}
+}
+
+// ---- data plane and workers -----------------------------------------------------------
+
+func startWorkers(t *testing.T, n int, cfg worker.Config) ([]*worker.Worker, []string) {
+	t.Helper()
+	var ws []*worker.Worker
+	var addrs []string
+	for range n {
+		w := worker.New(cfg)
+		if err := w.Start(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = w.Close() })
+		ws = append(ws, w)
+		addrs = append(addrs, w.Addr())
+	}
+	return ws, addrs
+}
+
+// byAddr returns the worker listening on addr.
+func byAddr(t *testing.T, ws []*worker.Worker, addr string) *worker.Worker {
+	t.Helper()
+	for _, w := range ws {
+		if w.Addr() == addr {
+			return w
+		}
+	}
+	t.Fatalf("no worker at %q", addr)
+	return nil
+}
+
+// startProxy runs envoysim in front of k; Hosts default to k's endpoints.
+func startProxy(t *testing.T, k *kvb, cfg envoysim.Config) *envoysim.Proxy {
+	t.Helper()
+	cfg.ExtProcAddr = k.grpcAddr
+	if cfg.Hosts == nil {
+		cfg.Hosts = k.endpoints
+	}
+	if cfg.MessageTimeout == 0 {
+		cfg.MessageTimeout = 10 * time.Second // BUFFERED: the race build is slow
+	}
+	p, err := envoysim.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Start(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := p.Close(); err != nil {
+			t.Errorf("envoysim close: %v", err)
+		}
+		if t.Failed() {
+			var b strings.Builder
+			for _, e := range p.Events() {
+				fmt.Fprintf(&b, "%s %v\n", e.Time.Format("15:04:05.000000"), e)
+			}
+			t.Logf("envoysim events:\n%s", b.String())
+		}
+	})
+	return p
+}
+
+func httpClient(t *testing.T) *http.Client {
+	tr := &http.Transport{DisableCompression: true}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &http.Client{Transport: tr, Timeout: 60 * time.Second}
+}
+
+type response struct {
+	status int
+	header http.Header
+	body   []byte
+}
+
+// worker is the worker that served the response ("" for a local reply).
+func (r response) worker() string { return r.header.Get(worker.HeaderWorker) }
+
+func send(t *testing.T, c *http.Client, method, url string, body []byte, hdr map[string]string) response {
+	t.Helper()
+	var rd io.Reader
+	if body != nil {
+		rd = bytes.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(t.Context(), method, url, rd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	for k, v := range hdr {
+		req.Header.Set(k, v)
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", method, url, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("%s %s: reading the body: %v", method, url, err)
+	}
+	return response{resp.StatusCode, resp.Header, b}
+}
+
+// chatRequest is a chat completion request of exactly n bytes (n >= 200)
+// whose content mixes ASCII and multi-byte UTF-8, so that odd chunk sizes
+// split characters.
+func chatRequest(n int, extra string) []byte {
+	head := `{"model":"test-model",` + extra + `"messages":[{"role":"user","content":"`
+	const tail = `"}]}`
+	const pattern = "kvbandit é ü 日本語 🚀 0123456789 "
+	need := n - len(head) - len(tail)
+	var b strings.Builder
+	for b.Len()+len(pattern) <= need {
+		b.WriteString(pattern)
+	}
+	b.WriteString(strings.Repeat("x", need-b.Len()))
+	return []byte(head + b.String() + tail)
+}
+
+// openAIError is the error body kvbandit answers with.
+type openAIError struct {
+	Error struct {
+		Message string `json:"message"`
+		Type    string `json:"type"`
+		Code    string `json:"code"`
+	} `json:"error"`
+}

@@ -1,0 +1,470 @@
+// Package worker is a small OpenAI-compatible model server for kvbandit's
+// tests: it answers /v1/chat/completions and /v1/completions (JSON, or SSE
+// with "stream": true), /v1/models, /health and /metrics (vLLM metric
+// names), generates deterministic tokens with an optional per-token delay,
+// can inject errors, and records every request it receives so tests can
+// check that a body arrived byte for byte and which worker served it. Every
+// response carries the worker's own address in the x-worker header. It is
+// used only by tests.
+package worker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// HeaderWorker is the response header that names the worker ("ip:port").
+const HeaderWorker = "x-worker"
+
+// Config configures a worker.
+type Config struct {
+	// Model is the served model name (default "test-model"). Requests for
+	// another model get vLLM's 404.
+	Model string
+	// TokenDelay is the time spent on each generated token.
+	TokenDelay time.Duration
+	// CompletionTokens is how many tokens a request generates when it sets
+	// no max_tokens (default 8).
+	CompletionTokens int
+	// CachedTokens is reported as usage.prompt_tokens_details.cached_tokens
+	// (capped at the prompt tokens).
+	CachedTokens int
+	// FailStatus, when set, makes completion requests fail with this status
+	// and an OpenAI error body (see also SetFailStatus).
+	FailStatus int
+}
+
+// Request is what the worker recorded about one request.
+type Request struct {
+	Seq              int
+	Method           string
+	Path             string // request URI
+	Host             string
+	Header           http.Header
+	Body             []byte
+	ContentLength    int64    // -1 when the body was chunked
+	TransferEncoding []string // e.g. ["chunked"]
+	Trailer          http.Header
+	Received         time.Time
+	// Status is the response status, Response the body bytes written;
+	// Done says the response was written in full, Canceled that the client
+	// went away first.
+	Status   int
+	Response []byte
+	Done     bool
+	Canceled bool
+}
+
+// Worker is a running fake model server.
+type Worker struct {
+	cfg        Config
+	failStatus atomic.Int64
+	running    atomic.Int64
+
+	mu       sync.Mutex
+	started  bool
+	ln       net.Listener
+	srv      *http.Server
+	requests []*Request
+	changed  chan struct{}
+	wg       sync.WaitGroup
+}
+
+// New returns a worker; call Start to serve.
+func New(cfg Config) *Worker {
+	if cfg.Model == "" {
+		cfg.Model = "test-model"
+	}
+	if cfg.CompletionTokens <= 0 {
+		cfg.CompletionTokens = 8
+	}
+	w := &Worker{cfg: cfg, changed: make(chan struct{})}
+	w.failStatus.Store(int64(cfg.FailStatus))
+	return w
+}
+
+// Start listens on 127.0.0.1 (a random port). ctx is the parent of the
+// requests' contexts.
+func (w *Worker) Start(ctx context.Context) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.started {
+		return errors.New("worker: already started")
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return fmt.Errorf("worker: listen: %w", err)
+	}
+	w.started = true
+	w.ln = ln
+	w.srv = &http.Server{
+		Handler:           w,
+		ReadHeaderTimeout: 10 * time.Second,
+		BaseContext:       func(net.Listener) context.Context { return ctx },
+	}
+	w.wg.Add(1)
+	go func() {
+		defer w.wg.Done()
+		_ = w.srv.Serve(ln)
+	}()
+	return nil
+}
+
+// Addr is the worker's "ip:port".
+func (w *Worker) Addr() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.ln == nil {
+		return ""
+	}
+	return w.ln.Addr().String()
+}
+
+// URL is the worker's base URL.
+func (w *Worker) URL() string { return "http://" + w.Addr() }
+
+// Model is the served model name.
+func (w *Worker) Model() string { return w.cfg.Model }
+
+// Close stops the server and waits for its handlers.
+func (w *Worker) Close() error {
+	w.mu.Lock()
+	srv := w.srv
+	w.mu.Unlock()
+	if srv == nil {
+		return nil
+	}
+	err := srv.Close()
+	w.wg.Wait()
+	return err
+}
+
+// SetFailStatus makes completion requests fail with code (0: succeed).
+func (w *Worker) SetFailStatus(code int) { w.failStatus.Store(int64(code)) }
+
+// Running is the number of completion requests in progress.
+func (w *Worker) Running() int { return int(w.running.Load()) }
+
+// Requests returns copies of the recorded requests, in arrival order.
+func (w *Worker) Requests() []Request {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	out := make([]Request, len(w.requests))
+	for i, r := range w.requests {
+		out[i] = *r
+		out[i].Header = r.Header.Clone()
+		out[i].Trailer = r.Trailer.Clone()
+		out[i].Body = slices.Clone(r.Body)
+		out[i].Response = slices.Clone(r.Response)
+	}
+	return out
+}
+
+// WaitRequests waits until n requests have finished (Done or Canceled)
+// and returns all recorded requests.
+func (w *Worker) WaitRequests(ctx context.Context, n int) ([]Request, error) {
+	for {
+		w.mu.Lock()
+		finished := 0
+		for _, r := range w.requests {
+			if r.Done || r.Canceled {
+				finished++
+			}
+		}
+		ch := w.changed
+		w.mu.Unlock()
+		if finished >= n {
+			return w.Requests(), nil
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return w.Requests(), fmt.Errorf("worker %s: waiting for %d finished requests: %w", w.Addr(), n, ctx.Err())
+		}
+	}
+}
+
+// ClearRequests forgets the recorded requests.
+func (w *Worker) ClearRequests() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.requests = nil
+}
+
+func (w *Worker) update(f func()) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	f()
+	close(w.changed)
+	w.changed = make(chan struct{})
+}
+
+// ServeHTTP records the request, then answers it.
+func (w *Worker) ServeHTTP(rw http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(r.Body)
+	rec := &Request{
+		Method:           r.Method,
+		Path:             r.RequestURI,
+		Host:             r.Host,
+		Header:           r.Header.Clone(),
+		Body:             body,
+		ContentLength:    r.ContentLength,
+		TransferEncoding: slices.Clone(r.TransferEncoding),
+		Trailer:          r.Trailer.Clone(),
+		Received:         time.Now(),
+	}
+	w.update(func() {
+		rec.Seq = len(w.requests) + 1
+		w.requests = append(w.requests, rec)
+	})
+	sw := &statusWriter{ResponseWriter: rw, status: http.StatusOK}
+	sw.Header().Set(HeaderWorker, w.Addr())
+	if err != nil {
+		w.update(func() { rec.Canceled = true })
+		return
+	}
+	w.route(sw, r, body)
+	canceled := r.Context().Err() != nil
+	w.update(func() {
+		rec.Status = sw.status
+		rec.Response = sw.body
+		rec.Canceled = canceled
+		rec.Done = !canceled
+	})
+}
+
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+	body   []byte
+}
+
+func (s *statusWriter) Write(b []byte) (int, error) {
+	n, err := s.ResponseWriter.Write(b)
+	s.body = append(s.body, b[:n]...)
+	return n, err
+}
+
+func (s *statusWriter) WriteHeader(code int) {
+	s.status = code
+	s.ResponseWriter.WriteHeader(code)
+}
+
+func (s *statusWriter) Flush() {
+	if f, ok := s.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
+func (w *Worker) route(rw *statusWriter, r *http.Request, body []byte) {
+	switch r.URL.Path {
+	case "/health":
+		rw.WriteHeader(http.StatusOK)
+	case "/metrics":
+		rw.Header().Set("Content-Type", "text/plain; version=0.0.4")
+		fmt.Fprintf(rw, "# HELP vllm:num_requests_running Number of requests currently running on GPU.\n"+
+			"# TYPE vllm:num_requests_running gauge\n"+
+			"vllm:num_requests_running{model_name=%q} %d\n"+
+			"# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"+
+			"# TYPE vllm:num_requests_waiting gauge\n"+
+			"vllm:num_requests_waiting{model_name=%q} 0\n"+
+			"# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"+
+			"# TYPE vllm:kv_cache_usage_perc gauge\n"+
+			"vllm:kv_cache_usage_perc{model_name=%q} 0\n",
+			w.cfg.Model, w.running.Load(), w.cfg.Model, w.cfg.Model)
+	case "/v1/models":
+		writeJSON(rw, http.StatusOK, map[string]any{
+			"object": "list",
+			"data": []any{map[string]any{
+				"id": w.cfg.Model, "object": "model", "created": 1700000000, "owned_by": "kvbandit-e2e", "root": w.cfg.Model,
+			}},
+		})
+	case "/v1/chat/completions":
+		w.complete(rw, r, body, true)
+	case "/v1/completions":
+		w.complete(rw, r, body, false)
+	default:
+		writeError(rw, http.StatusNotFound, "NotFoundError", "Not Found")
+	}
+}
+
+// completionRequest is the part of an OpenAI request the worker reads.
+type completionRequest struct {
+	Model         string `json:"model"`
+	Stream        bool   `json:"stream"`
+	StreamOptions *struct {
+		IncludeUsage bool `json:"include_usage"`
+	} `json:"stream_options"`
+	MaxTokens           int             `json:"max_tokens"`
+	MaxCompletionTokens int             `json:"max_completion_tokens"`
+	Messages            json.RawMessage `json:"messages"`
+	Prompt              json.RawMessage `json:"prompt"`
+}
+
+func (w *Worker) complete(rw *statusWriter, r *http.Request, body []byte, chat bool) {
+	if r.Method != http.MethodPost {
+		writeError(rw, http.StatusMethodNotAllowed, "BadRequestError", "method not allowed")
+		return
+	}
+	w.running.Add(1)
+	defer w.running.Add(-1)
+	if code := int(w.failStatus.Load()); code != 0 {
+		writeError(rw, code, "InternalServerError", fmt.Sprintf("injected failure (status %d)", code))
+		return
+	}
+	var req completionRequest
+	if err := json.Unmarshal(body, &req); err != nil {
+		writeError(rw, http.StatusBadRequest, "BadRequestError", "invalid JSON: "+err.Error())
+		return
+	}
+	if req.Model != w.cfg.Model {
+		writeError(rw, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The model `%s` does not exist.", req.Model))
+		return
+	}
+	n := w.cfg.CompletionTokens
+	if req.MaxCompletionTokens > 0 {
+		n = req.MaxCompletionTokens
+	} else if req.MaxTokens > 0 {
+		n = req.MaxTokens
+	}
+	n = min(n, 4096)
+	promptText := string(req.Messages) + string(req.Prompt)
+	promptTokens := max(1, (len(promptText)+3)/4)
+	usage := map[string]any{
+		"prompt_tokens":     promptTokens,
+		"completion_tokens": n,
+		"total_tokens":      promptTokens + n,
+		"prompt_tokens_details": map[string]any{
+			"cached_tokens": min(w.cfg.CachedTokens, promptTokens),
+		},
+	}
+	id := fmt.Sprintf("cmpl-%s-%d", strings.ReplaceAll(w.Addr(), ":", "-"), time.Now().UnixNano())
+	created := time.Now().Unix()
+	object := "text_completion"
+	if chat {
+		object = "chat.completion"
+	}
+	ctx := r.Context()
+
+	if !req.Stream {
+		for range n {
+			if !sleep(ctx, w.cfg.TokenDelay) {
+				return
+			}
+		}
+		text := Text(n)
+		choice := map[string]any{"index": 0, "finish_reason": "stop", "text": text}
+		if chat {
+			choice = map[string]any{"index": 0, "finish_reason": "stop",
+				"message": map[string]any{"role": "assistant", "content": text}}
+		}
+		writeJSON(rw, http.StatusOK, map[string]any{
+			"id": id, "object": object, "created": created, "model": w.cfg.Model,
+			"choices": []any{choice}, "usage": usage,
+		})
+		return
+	}
+
+	chunkObject := "text_completion"
+	if chat {
+		chunkObject = "chat.completion.chunk"
+	}
+	rw.Header().Set("Content-Type", "text/event-stream")
+	rw.Header().Set("Cache-Control", "no-cache")
+	rw.WriteHeader(http.StatusOK)
+	send := func(v any) bool {
+		b, _ := json.Marshal(v)
+		if _, err := fmt.Fprintf(rw, "data: %s\n\n", b); err != nil {
+			return false
+		}
+		rw.Flush()
+		return true
+	}
+	chunk := func(choice map[string]any) map[string]any {
+		return map[string]any{"id": id, "object": chunkObject, "created": created, "model": w.cfg.Model,
+			"choices": []any{choice}}
+	}
+	if chat && !send(chunk(map[string]any{"index": 0, "delta": map[string]any{"role": "assistant", "content": ""}, "finish_reason": nil})) {
+		return
+	}
+	for i := range n {
+		if !sleep(ctx, w.cfg.TokenDelay) {
+			return
+		}
+		var choice map[string]any
+		if chat {
+			choice = map[string]any{"index": 0, "delta": map[string]any{"content": Token(i)}, "finish_reason": nil}
+		} else {
+			choice = map[string]any{"index": 0, "text": Token(i), "finish_reason": nil}
+		}
+		if !send(chunk(choice)) {
+			return
+		}
+	}
+	final := map[string]any{"index": 0, "text": "", "finish_reason": "stop"}
+	if chat {
+		final = map[string]any{"index": 0, "delta": map[string]any{}, "finish_reason": "stop"}
+	}
+	if !send(chunk(final)) {
+		return
+	}
+	if req.StreamOptions != nil && req.StreamOptions.IncludeUsage {
+		if !send(map[string]any{"id": id, "object": chunkObject, "created": created, "model": w.cfg.Model,
+			"choices": []any{}, "usage": usage}) {
+			return
+		}
+	}
+	if _, err := io.WriteString(rw, "data: [DONE]\n\n"); err == nil {
+		rw.Flush()
+	}
+}
+
+// Token is the i-th generated token's text.
+func Token(i int) string { return fmt.Sprintf("tok%d ", i) }
+
+// Text is the text of n generated tokens.
+func Text(n int) string {
+	var b strings.Builder
+	for i := range n {
+		b.WriteString(Token(i))
+	}
+	return b.String()
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+func writeJSON(rw http.ResponseWriter, code int, v any) {
+	b, _ := json.Marshal(v)
+	rw.Header().Set("Content-Type", "application/json")
+	rw.WriteHeader(code)
+	_, _ = rw.Write(b)
+}
+
+// writeError writes vLLM's OpenAI-style error body.
+func writeError(rw http.ResponseWriter, code int, typ, msg string) {
+	writeJSON(rw, code, map[string]any{
+		"error": map[string]any{"message": msg, "type": typ, "param": nil, "code": code},
+	})
+}
