@@ -134,7 +134,7 @@ func TestValidateRejectsBrokenCopies(t *testing.T) {
 			name:  "not YAML",
 			edits: []edit{{"admin:\n", "admin: [\n"}},
 			rule:  envoy.ErrDecode,
-			want:  []string{"yaml: line 23:"},
+			want:  []string{"yaml: line 24:"},
 		},
 		{
 			// PGV through two levels of Any: listener → HCM (Any) → ext_proc (Any).

@@ -35,8 +35,9 @@ type command struct {
 
 func commands() map[string]command {
 	return map[string]command{
-		"serve":   {"run the ext_proc endpoint picker", runServe},
-		"version": {"print the version", runVersion},
+		"serve":        {"run the ext_proc endpoint picker", runServe},
+		"envoy-config": {"print a validated Envoy bootstrap for a list of workers", runEnvoyConfig},
+		"version":      {"print the version", runVersion},
 	}
 }
 
@@ -71,7 +72,7 @@ func usage(w io.Writer, cmds map[string]command) {
 	var b strings.Builder
 	b.WriteString("kvbandit: the KV-cache-aware inference router for Envoy (ext_proc endpoint picker)\n\nUsage: kvbandit <command> [flags]\n\nCommands:\n")
 	for _, n := range names {
-		fmt.Fprintf(&b, "  %-9s %s\n", n, cmds[n].summary)
+		fmt.Fprintf(&b, "  %-13s %s\n", n, cmds[n].summary)
 	}
 	b.WriteString("\nRun 'kvbandit <command> -h' for a command's flags.\n")
 	io.WriteString(w, b.String())

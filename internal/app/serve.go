@@ -190,7 +190,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		}
 		s, err := routing.ParseEndpointList(o.Endpoints)
 		if err != nil {
-			return fmt.Errorf("--endpoints: %w", err)
+			return fmt.Errorf("%w: --endpoints: %w", ErrUsage, err)
 		}
 		set = s
 	}

@@ -1,0 +1,172 @@
+package app
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/kvbandit/kvbandit/envoy"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func run(t *testing.T, args ...string) (string, string, error) {
+	t.Helper()
+	var out, errw bytes.Buffer
+	err := Run(t.Context(), args, &out, &errw)
+	return out.String(), errw.String(), err
+}
+
+func TestVersionAndUsage(t *testing.T) {
+	out, _, err := run(t, "version")
+	if err != nil || !strings.HasPrefix(out, "kvbandit ") {
+		t.Fatalf("version: %q %v", out, err)
+	}
+	if _, _, err := run(t); ExitCode(err) != 2 {
+		t.Fatalf("no command: exit %d", ExitCode(err))
+	}
+	if _, stderr, err := run(t, "frobnicate"); ExitCode(err) != 2 || !strings.Contains(stderr, "serve") {
+		t.Fatalf("unknown command: %v %q", err, stderr)
+	}
+	if _, _, err := run(t, "help"); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := run(t, "serve", "-h"); err != nil {
+		t.Fatalf("serve -h: %v", err)
+	}
+}
+
+func TestServeFlagValidation(t *testing.T) {
+	cases := [][]string{
+		{},                                         // no workers
+		{"--endpoints", "localhost:80"},            // not an IP
+		{"--endpoints", "127.0.0.1:1", "--max-body-bytes", "0"},
+		{"--endpoints", "127.0.0.1:1", "--max-inflight", "-1"},
+		{"--endpoints", "127.0.0.1:1", "--fallbacks", "-1"},
+		{"--endpoints", "127.0.0.1:1", "--decision-timeout", "0s"},
+		{"--endpoints", "127.0.0.1:1", "--policy", "nope"},
+		{"--endpoints", "127.0.0.1:1", "--log-level", "loud"},
+		{"--endpoints", "127.0.0.1:1", "--max-buffered-bytes", "10"},
+		{"--endpoints", "127.0.0.1:1", "stray"},
+		{"--no-such-flag"},
+	}
+	for _, c := range cases {
+		args := append([]string{"serve", "--grpc-addr", "127.0.0.1:0", "--health-addr", "127.0.0.1:0", "--metrics-addr", ""}, c...)
+		_, _, err := run(t, args...)
+		if err == nil {
+			t.Errorf("%v: accepted", c)
+			continue
+		}
+		if ExitCode(err) != 2 {
+			t.Errorf("%v: exit %d (%v), want 2", c, ExitCode(err), err)
+		}
+	}
+}
+
+func TestConfigIsStrict(t *testing.T) {
+	if _, err := ParseConfig([]byte("endpoints:\n- address: 10.0.0.1:8000\n  modles: [x]\n")); err == nil {
+		t.Fatal("unknown field accepted")
+	}
+	if _, err := ParseConfig([]byte("endpoints:\n- address: 10.0.0.1:8000\n- address: 10.0.0.1:8000\n")); err == nil {
+		t.Fatal("duplicate endpoint accepted")
+	}
+	c, err := ParseConfig([]byte("endpoints:\n- address: 10.0.0.1:8000\n  models: [qwen]\n  block_size: 16\npass_through_unknown_models: true\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.Endpoints) != 1 || c.Endpoints[0].Models[0] != "qwen" || !c.PassThroughUnknownModels {
+		t.Fatalf("%+v", c)
+	}
+	path := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(path, []byte("endpoints:\n- address: 10.0.0.1:8000\n"), 0o644)
+	if _, _, err := run(t, "serve", "--config", path, "--endpoints", "10.0.0.2:1", "--grpc-addr", "127.0.0.1:0", "--health-addr", "127.0.0.1:0", "--metrics-addr", ""); ExitCode(err) != 2 {
+		t.Fatalf("config + --endpoints: %v", err)
+	}
+}
+
+func TestEnvoyConfigCommand(t *testing.T) {
+	out, _, err := run(t, "envoy-config", "--endpoints", "10.0.0.1:8000, [fd00::1]:8000", "--body-mode", "buffered")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := envoy.Validate([]byte(out)); err != nil {
+		t.Fatalf("rendered config does not validate: %v", err)
+	}
+	if !strings.Contains(out, "BUFFERED") || !strings.Contains(out, "fd00::1") {
+		t.Fatal("rendered config lacks the requested settings")
+	}
+	for _, bad := range [][]string{{}, {"--endpoints", "host:1"}, {"--endpoints", "10.0.0.1:1", "--body-mode", "x"}} {
+		if _, _, err := run(t, append([]string{"envoy-config"}, bad...)...); ExitCode(err) != 2 {
+			t.Errorf("%v: %v", bad, err)
+		}
+	}
+}
+
+// TestServeLifecycle starts serve on loopback, checks health and metrics,
+// then cancels the context and expects a clean, prompt shutdown.
+func TestServeLifecycle(t *testing.T) {
+	listen := func() net.Listener {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	ready := make(chan [3]string, 1)
+	ls := &Listeners{GRPC: listen(), Health: listen(), Metrics: listen(), Ready: func(g, h, m string) { ready <- [3]string{g, h, m} }}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	o := ServeOptions{Endpoints: "127.0.0.1:8001,127.0.0.1:8002", Policy: "round_robin", MaxBodyBytes: 1 << 20, MaxInflight: 8, DecisionTimeout: time.Second, DrainTimeout: 100 * time.Millisecond, ResponseProcessing: true, LogLevel: "info", LogFormat: "text", MetricsAddr: "x"}
+	done := make(chan error, 1)
+	go func() { done <- Serve(ctx, o, slog.New(slog.NewTextHandler(io.Discard, nil)), ls) }()
+	var addrs [3]string
+	select {
+	case addrs = <-ready:
+	case err := <-done:
+		t.Fatalf("serve exited: %v", err)
+	}
+	conn, err := grpc.NewClient(addrs[1], grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	hc := healthpb.NewHealthClient(conn)
+	for _, svc := range []string{"liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"} {
+		r, err := hc.Check(ctx, &healthpb.HealthCheckRequest{Service: svc})
+		if err != nil || r.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+			t.Fatalf("%s: %v %v", svc, r, err)
+		}
+	}
+	resp, err := http.Get("http://" + addrs[2] + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(body), `kvbandit_endpoint_inflight{endpoint="127.0.0.1:8001"} 0`) {
+		t.Fatalf("metrics lack the endpoint gauge:\n%s", body)
+	}
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil && !errors.Is(err, context.Canceled) {
+			t.Fatalf("serve returned %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("serve did not stop")
+	}
+}

@@ -1,0 +1,61 @@
+package app
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	"github.com/kvbandit/kvbandit/envoy"
+)
+
+// runEnvoyConfig prints an Envoy bootstrap for the given workers, validated
+// against Envoy's protos before it is printed.
+func runEnvoyConfig(_ context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("envoy-config", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	endpoints := fs.String("endpoints", "", "workers \"ip:port[,ip:port...]\": the cluster's hosts, the same list as `serve --endpoints` (required)")
+	extProc := fs.String("ext-proc-addr", envoy.DefaultExtProcAddr, "kvbandit's ext_proc address as Envoy reaches it")
+	healthPort := fs.Int("health-port", envoy.DefaultHealthPort, "kvbandit's gRPC health port")
+	listen := fs.String("listen-addr", envoy.DefaultListenAddr, "Envoy's client-facing listener")
+	admin := fs.String("admin-addr", envoy.DefaultAdminAddr, "Envoy's admin listener")
+	mode := fs.String("body-mode", "full-duplex", "request body mode: full-duplex | buffered")
+	maxBody := fs.Int64("max-body-bytes", envoy.DefaultMaxBodyBytes, "buffer limit for buffered mode (keep = serve --max-body-bytes)")
+	msgTimeout := fs.Duration("message-timeout", envoy.DefaultMessageTimeout, "ext_proc message_timeout (keep > serve --decision-timeout)")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	if *endpoints == "" {
+		return fmt.Errorf("%w: --endpoints is required", ErrUsage)
+	}
+	opts := envoy.RenderOptions{
+		ExtProcAddr: *extProc, HealthPort: *healthPort, ListenAddr: *listen, AdminAddr: *admin,
+		MaxBodyBytes: *maxBody, MessageTimeout: *msgTimeout,
+	}
+	for _, e := range strings.Split(*endpoints, ",") {
+		opts.Endpoints = append(opts.Endpoints, strings.TrimSpace(e))
+	}
+	switch *mode {
+	case "full-duplex":
+		opts.BodyMode = envoy.FullDuplex
+	case "buffered":
+		opts.BodyMode = envoy.Buffered
+	default:
+		return fmt.Errorf("%w: --body-mode %q: want full-duplex or buffered", ErrUsage, *mode)
+	}
+	if *msgTimeout <= 0 || *msgTimeout > time.Hour {
+		return fmt.Errorf("%w: --message-timeout must be in (0, 1h]", ErrUsage)
+	}
+	out, err := envoy.Render(opts)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	_, err = stdout.Write(out)
+	return err
+}
