@@ -93,7 +93,7 @@ type processor struct {
 }
 
 func newProcessor(s *Server) *processor {
-	return &processor{s: s, reqMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, respMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED}
+	return &processor{s: s, timeout: make(chan struct{}), reqMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, respMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED}
 }
 
 // handle dispatches one message to its phase method. It returns the
@@ -137,9 +137,7 @@ func (p *processor) onRequestHeaders(ctx context.Context, h *extprocv3.HttpHeade
 	p.readRequestHeaders(h.GetHeaders())
 	p.kind = openai.KindOf(p.path)
 	p.phase = phaseRequestBody
-	p.timeout = make(chan struct{})
-	ch := p.timeout
-	p.timer = p.s.clk.AfterFunc(p.s.cfg.DecisionTimeout, func() { close(ch) })
+	p.timer = p.s.clk.AfterFunc(p.s.cfg.DecisionTimeout, func() { close(p.timeout) })
 
 	switch {
 	case h.GetEndOfStream(), p.reqMode == filterv3.ProcessingMode_NONE, p.reqMode == filterv3.ProcessingMode_STREAMED:
@@ -322,7 +320,6 @@ func (p *processor) decide(ctx context.Context) error {
 	if p.timer != nil {
 		p.timer.Stop()
 	}
-	p.timeout = nil
 	p.decision = d
 	p.tokensIn = req.TokenCount
 	m.tokens.WithLabelValues("prompt_routed").Add(float64(req.TokenCount))
@@ -623,7 +620,8 @@ func (p *processor) statusKind() routing.OutcomeKind {
 
 func (p *processor) decided() bool { return p.decision != nil }
 
-// deadline fires when the decision is overdue; nil once decided.
+// deadline is closed when the decision is overdue. It may also close just
+// after a decision; the caller checks decided() under the stream's lock.
 func (p *processor) deadline() <-chan struct{} { return p.timeout }
 
 // finish ends the decision with an observed outcome.

@@ -144,11 +144,6 @@ func (s *Server) Wait(ctx context.Context) error {
 	}
 }
 
-type recvResult struct {
-	msg *extprocv3.ProcessingRequest
-	err error
-}
-
 // Process implements [extprocv3.ExternalProcessorServer]. It only moves
 // messages: protocol state lives in the per-stream processor.
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
@@ -182,96 +177,122 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 		return s.send(stream, []*extprocv3.ProcessingResponse{Reject(refuse).immediate()})
 	}
 
-	// The reader goroutine ends on a Recv error or when the stream context
-	// is done, which gRPC guarantees once Process returns; it is not waited
-	// for here, since it may be blocked in Recv until then.
-	msgs := make(chan recvResult, 8)
-	go func() {
-		for {
-			m, err := stream.Recv()
-			select {
-			case msgs <- recvResult{m, err}:
-			case <-ctx.Done():
-				return
-			}
-			if err != nil {
-				return
-			}
-		}
-	}()
+	r := &run{s: s, stream: stream, p: p, finished: make(chan struct{})}
+	// The receive loop handles each message as it arrives (no hand-off
+	// between goroutines on the hot path). It ends on a Recv error or when
+	// the stream context is done, which gRPC guarantees once Process
+	// returns; it is not waited for, since it may be blocked in Recv.
+	go r.receive(ctx)
 
-	drain := s.drain
+	timeout, drain := p.deadline(), s.drain
 	for {
 		select {
-		case r := <-msgs:
-			if r.err != nil {
-				if errors.Is(r.err, io.EOF) {
-					p.endOfStream()
-					return nil
+		case <-r.finished:
+			return r.result
+		case <-timeout:
+			timeout = nil
+			if err, ok := r.control(func() (error, bool) {
+				if p.decided() {
+					return nil, false
 				}
-				p.abort(routing.OutcomeReset, "recv_error")
-				if status.Code(r.err) == codes.Canceled {
-					return nil
-				}
-				return r.err
-			}
-			out, done, err := p.handle(ctx, r.msg)
-			if err != nil {
-				return s.fail(stream, p, err)
-			}
-			if sendErr := s.send(stream, out); sendErr != nil {
-				p.abort(routing.OutcomeReset, "send_error")
-				return sendErr
-			}
-			if done {
-				return nil
-			}
-		case <-p.deadline():
-			return s.fail(stream, p, ErrDecisionTimeout)
-		case <-drain:
-			drain = nil
-			// Handle what the reader already received, so every chunk that
-			// reached us is echoed back before the close.
-			if done, err := s.flush(ctx, stream, p, msgs); done {
+				return s.fail(stream, p, ErrDecisionTimeout), true
+			}); ok {
 				return err
 			}
-			if !p.decided() {
-				return s.fail(stream, p, ErrShuttingDown)
-			}
-			p.abort(routing.OutcomeAbandoned, "")
-			return nil
+		case <-drain:
+			drain = nil
+			// Every chunk received so far has been answered (the receive
+			// loop replies before it reads the next one), so the stream
+			// can close now without dropping response bytes.
+			err, _ := r.control(func() (error, bool) {
+				if !p.decided() {
+					return s.fail(stream, p, ErrShuttingDown), true
+				}
+				p.abort(routing.OutcomeAbandoned, "")
+				return nil, true
+			})
+			return err
 		case <-ctx.Done():
-			p.abort(routing.OutcomeCancelled, "context_done")
+			r.control(func() (error, bool) {
+				p.abort(routing.OutcomeCancelled, "context_done")
+				return nil, true
+			})
 			return nil
 		}
 	}
 }
 
-// flush handles the messages already received without waiting for more.
-// It reports whether the stream is finished, with the error to return.
-func (s *Server) flush(ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer, p *processor, msgs <-chan recvResult) (bool, error) {
+// run is one stream's receive loop and its shared state. mu serialises the
+// processor and every Send between the receive loop and Process (timeouts,
+// drain, cancellation).
+type run struct {
+	s      *Server
+	stream extprocv3.ExternalProcessor_ProcessServer
+	p      *processor
+
+	mu       sync.Mutex
+	done     bool          // the stream's outcome is settled; nothing more is sent
+	result   error         // what Process returns once finished is closed
+	finished chan struct{} // closed by the receive loop when it settles the stream
+}
+
+// control runs f under the lock unless the stream is already settled. f
+// reports whether it settled the stream.
+func (r *run) control(f func() (error, bool)) (error, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.done {
+		return nil, false
+	}
+	err, settled := f()
+	r.done = settled
+	return err, settled
+}
+
+func (r *run) receive(ctx context.Context) {
 	for {
-		select {
-		case r := <-msgs:
-			if r.err != nil {
-				p.abort(routing.OutcomeAbandoned, "")
-				return true, nil
-			}
-			out, done, err := p.handle(ctx, r.msg)
-			if err != nil {
-				return true, s.fail(stream, p, err)
-			}
-			if err := s.send(stream, out); err != nil {
-				p.abort(routing.OutcomeReset, "send_error")
-				return true, err
-			}
-			if done {
-				return true, nil
-			}
-		default:
-			return false, nil
+		m, err := r.stream.Recv()
+		r.mu.Lock()
+		if r.done {
+			r.mu.Unlock()
+			return
+		}
+		result, settled := r.step(ctx, m, err)
+		if settled {
+			r.done, r.result = true, result
+			close(r.finished)
+		}
+		r.mu.Unlock()
+		if settled {
+			return
 		}
 	}
+}
+
+// step handles one received message (or receive error) under the lock and
+// reports whether the stream is settled, with Process's return value.
+func (r *run) step(ctx context.Context, m *extprocv3.ProcessingRequest, err error) (error, bool) {
+	p, s := r.p, r.s
+	if err != nil {
+		if errors.Is(err, io.EOF) {
+			p.endOfStream()
+			return nil, true
+		}
+		p.abort(routing.OutcomeReset, "recv_error")
+		if status.Code(err) == codes.Canceled {
+			return nil, true
+		}
+		return err, true
+	}
+	out, done, err := p.handle(ctx, m)
+	if err != nil {
+		return s.fail(r.stream, p, err), true
+	}
+	if err := s.send(r.stream, out); err != nil {
+		p.abort(routing.OutcomeReset, "send_error")
+		return err, true
+	}
+	return nil, done
 }
 
 // fail ends the stream for err: a rejection is sent as an
