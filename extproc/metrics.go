@@ -19,6 +19,10 @@ type Metrics struct {
 	servedMismatch prometheus.Counter
 	hintProblems   prometheus.Counter
 	bufferedBytes  prometheus.GaugeFunc
+
+	// Per-phase observers, resolved once (no label lookup per request).
+	phaseParse, phaseTokenize, phasePick, phaseTotal prometheus.Observer
+	tokensRouted                                     prometheus.Counter
 }
 
 var latencyBuckets = []float64{.00005, .0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5}
@@ -86,6 +90,11 @@ func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metric
 	for _, c := range cs {
 		reg.MustRegister(c)
 	}
+	m.phaseParse = m.phase.WithLabelValues("parse")
+	m.phaseTokenize = m.phase.WithLabelValues("tokenize")
+	m.phasePick = m.phase.WithLabelValues("pick")
+	m.phaseTotal = m.phase.WithLabelValues("total")
+	m.tokensRouted = m.tokens.WithLabelValues("prompt_routed")
 	// Pre-create the common series so dashboards see zeros.
 	for _, p := range []string{pathChat, pathCompletions, pathModels, pathOther} {
 		for _, c := range []string{"2xx", "4xx", "5xx"} {

@@ -168,7 +168,9 @@ func (p *processor) onRequestBody(ctx context.Context, b *extprocv3.HttpBody) ([
 	case p.reqBodyPassthrough:
 		if b.GetEndOfStream() {
 			p.reqBodyPassthrough = false
-			p.phase = phaseAwaitResponse
+			if p.phase == phaseRequestBody {
+				p.phase = phaseAwaitResponse
+			}
 			out := []*extprocv3.ProcessingResponse{bodyAck(true)}
 			return p.afterRequestPhase(out)
 		}
@@ -304,16 +306,16 @@ func (p *processor) decide(ctx context.Context) error {
 		m.hintProblems.Add(float64(problems.Count))
 	}
 	t1 := p.s.clk.Now()
-	m.phase.WithLabelValues("parse").Observe(t1.Sub(t0).Seconds())
+	m.phaseParse.Observe(t1.Sub(t0).Seconds())
 	if parsed != nil {
 		p.tokenize(ctx, parsed, &req)
 		t2 := p.s.clk.Now()
-		m.phase.WithLabelValues("tokenize").Observe(t2.Sub(t1).Seconds())
+		m.phaseTokenize.Observe(t2.Sub(t1).Seconds())
 		t1 = t2
 	}
 	d, err := p.s.picker.Pick(ctx, &req)
 	t3 := p.s.clk.Now()
-	m.phase.WithLabelValues("pick").Observe(t3.Sub(t1).Seconds())
+	m.phasePick.Observe(t3.Sub(t1).Seconds())
 	if err != nil {
 		return err
 	}
@@ -322,8 +324,8 @@ func (p *processor) decide(ctx context.Context) error {
 	}
 	p.decision = d
 	p.tokensIn = req.TokenCount
-	m.tokens.WithLabelValues("prompt_routed").Add(float64(req.TokenCount))
-	m.phase.WithLabelValues("total").Observe(t3.Sub(p.started).Seconds())
+	m.tokensRouted.Add(float64(req.TokenCount))
+	m.phaseTotal.Observe(t3.Sub(p.started).Seconds())
 	return nil
 }
 
@@ -374,10 +376,16 @@ func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) {
 			if _, dup := p.hintHdrs[k]; !dup {
 				p.hintHdrs[k] = headerValue(h)
 			}
-		case strings.HasPrefix(strings.ToLower(k), destinationPrefix) || strings.EqualFold(k, HeaderDPRank):
+		case hasPrefixFold(k, destinationPrefix) || strings.EqualFold(k, HeaderDPRank):
 			p.spoofed = append(p.spoofed, k)
 		}
 	}
+}
+
+// hasPrefixFold is strings.HasPrefix ignoring ASCII case, without
+// allocating (Envoy lower-cases header names, but not every data plane).
+func hasPrefixFold(s, prefix string) bool {
+	return len(s) >= len(prefix) && strings.EqualFold(s[:len(prefix)], prefix)
 }
 
 // readMetadata picks up the subset hint (request path) and the served
