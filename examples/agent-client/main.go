@@ -1,0 +1,130 @@
+// Command agent-client is an example agent that sends one multi-turn
+// session through Envoy and kvbandit with routing hints, so that the whole
+// session can be kept on the worker that holds its KV cache.
+//
+// Every request of the session carries the same x-prefix-id and the number
+// of requests the agent plans to send (x-prefix-total-requests), the
+// expected output length (x-prefix-osl) and the expected time between
+// requests (x-prefix-iat). kvbandit reads them (or the same values from
+// nvext.agent_hints in the body) to decide how sticky to be.
+//
+//	go run ./examples/agent-client --base-url http://127.0.0.1:8081 --model Qwen/Qwen3-8B --turns 4
+//
+// It prints, per turn, the worker that answered when the worker reports it
+// (x-worker), or the status.
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/signal"
+	"strconv"
+	"time"
+)
+
+type message struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}
+
+type chatRequest struct {
+	Model     string    `json:"model"`
+	Messages  []message `json:"messages"`
+	MaxTokens int       `json:"max_tokens,omitempty"`
+}
+
+type chatResponse struct {
+	Choices []struct {
+		Message message `json:"message"`
+	} `json:"choices"`
+	Usage struct {
+		PromptTokens        int `json:"prompt_tokens"`
+		PromptTokensDetails struct {
+			CachedTokens int `json:"cached_tokens"`
+		} `json:"prompt_tokens_details"`
+	} `json:"usage"`
+}
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	if err := run(ctx, os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "agent-client:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("agent-client", flag.ContinueOnError)
+	base := fs.String("base-url", "http://127.0.0.1:8081", "Envoy listener (or kvbandit's standalone proxy)")
+	model := fs.String("model", "Qwen/Qwen3-8B", "model name")
+	turns := fs.Int("turns", 4, "requests in the session")
+	think := fs.Duration("think", 200*time.Millisecond, "pause between turns")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *turns < 1 {
+		return errors.New("--turns must be >= 1")
+	}
+	id := make([]byte, 8)
+	if _, err := rand.Read(id); err != nil {
+		return err
+	}
+	session := "agent-" + hex.EncodeToString(id)
+	history := []message{{Role: "system", Content: "You are a careful coding agent. Answer briefly."}}
+	client := &http.Client{Timeout: 2 * time.Minute}
+	for turn := 1; turn <= *turns; turn++ {
+		history = append(history, message{Role: "user", Content: fmt.Sprintf("Step %d: list the next file to inspect.", turn)})
+		body, err := json.Marshal(chatRequest{Model: *model, Messages: history, MaxTokens: 64})
+		if err != nil {
+			return err
+		}
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, *base+"/v1/chat/completions", bytes.NewReader(body))
+		if err != nil {
+			return err
+		}
+		req.Header.Set("content-type", "application/json")
+		req.Header.Set("x-prefix-id", session)
+		req.Header.Set("x-prefix-total-requests", strconv.Itoa(*turns))
+		req.Header.Set("x-prefix-osl", "LOW")
+		req.Header.Set("x-prefix-iat", strconv.Itoa(int(think.Milliseconds())))
+		resp, err := client.Do(req)
+		if err != nil {
+			return fmt.Errorf("turn %d: %w", turn, err)
+		}
+		raw, err := io.ReadAll(io.LimitReader(resp.Body, 8<<20))
+		resp.Body.Close()
+		if err != nil {
+			return fmt.Errorf("turn %d: %w", turn, err)
+		}
+		if resp.StatusCode != http.StatusOK {
+			fmt.Printf("turn %d: status %d: %s\n", turn, resp.StatusCode, bytes.TrimSpace(raw))
+			return nil
+		}
+		var cr chatResponse
+		if err := json.Unmarshal(raw, &cr); err != nil {
+			return fmt.Errorf("turn %d: decoding the response: %w", turn, err)
+		}
+		answer := ""
+		if len(cr.Choices) > 0 {
+			answer = cr.Choices[0].Message.Content
+		}
+		fmt.Printf("turn %d: worker=%s prompt_tokens=%d cached_tokens=%d\n", turn, resp.Header.Get("x-worker"), cr.Usage.PromptTokens, cr.Usage.PromptTokensDetails.CachedTokens)
+		history = append(history, message{Role: "assistant", Content: answer})
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(*think):
+		}
+	}
+	return nil
+}
