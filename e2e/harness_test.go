@@ -493,3 +493,18 @@ type openAIError struct {
 		Code    string `json:"code"`
 	} `json:"error"`
 }
+
+// unechoed is how many response body bytes the data plane sent to the
+// ext_proc server that never came back as StreamedBodyResponses: in
+// FULL_DUPLEX_STREAMED mode Envoy drops them when the server closes the
+// stream.
+func unechoed(x envoysim.Exchange) int {
+	n := 0
+	for _, m := range x.Sent() {
+		n += len(m.GetResponseBody().GetBody())
+	}
+	for _, m := range x.Received() {
+		n -= len(m.GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetBody())
+	}
+	return n
+}

@@ -11,6 +11,7 @@ import (
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/kvbandit/kvbandit/extproc/openai"
 	"github.com/kvbandit/kvbandit/routing"
@@ -126,9 +127,12 @@ func grpcError(err error) error {
 	return status.Error(codes.Internal, err.Error())
 }
 
+// setHeader replaces header k. Envoy's ext_proc reads the (deprecated)
+// append field, not append_action, and its default is already "replace";
+// it is set explicitly so that no data plane appends a second value.
 func setHeader(k, v string) *corev3.HeaderValueOption {
 	return &corev3.HeaderValueOption{
-		Header:       &corev3.HeaderValue{Key: k, RawValue: []byte(v)},
-		AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD,
+		Header: &corev3.HeaderValue{Key: k, RawValue: []byte(v)},
+		Append: wrapperspb.Bool(false),
 	}
 }

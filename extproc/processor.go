@@ -57,6 +57,8 @@ type processor struct {
 	phase    phase
 	reqMode  filterv3.ProcessingMode_BodySendMode
 	respMode filterv3.ProcessingMode_BodySendMode
+	// modeKnown is set when the data plane sent protocol_config.
+	modeKnown bool
 	// reqBodyPassthrough: STREAMED request bodies are acknowledged chunk by
 	// chunk (the decision was made at the headers).
 	reqBodyPassthrough bool
@@ -104,6 +106,7 @@ func (p *processor) handle(ctx context.Context, m *extprocv3.ProcessingRequest) 
 		if pc := m.GetProtocolConfig(); pc != nil {
 			p.reqMode = pc.GetRequestBodyMode()
 			p.respMode = pc.GetResponseBodyMode()
+			p.modeKnown = true
 		}
 	}
 	p.readMetadata(m.GetMetadataContext())
@@ -229,14 +232,27 @@ func (p *processor) requestComplete(ctx context.Context, eos bool) ([]*extprocv3
 	return p.afterRequestPhase(out)
 }
 
-// afterRequestPhase closes the stream after the request replies when
-// response processing is off.
+// afterRequestPhase handles response processing being off: the decision
+// ends now (abandoned: no outcome will be observed) and the stream closes
+// cleanly, which Envoy treats as "continue without the server". The close
+// is only safe when the data plane sends no response body to kvbandit
+// (response_body_mode NONE): otherwise response chunks already on their way
+// would be dropped, so kvbandit keeps echoing them until the response ends
+// and warns once.
 func (p *processor) afterRequestPhase(out []*extprocv3.ProcessingResponse) ([]*extprocv3.ProcessingResponse, bool, error) {
 	if p.s.cfg.ResponseProcessing || p.reqBodyPassthrough {
 		return out, false, nil
 	}
 	p.finish(routing.OutcomeAbandoned)
-	return out, true, nil
+	if p.modeKnown && p.respMode == filterv3.ProcessingMode_NONE {
+		return out, true, nil
+	}
+	p.phase = phaseAwaitResponse
+	p.s.unsafeClose.Do(func() {
+		p.s.log.Warn("response processing is off, but the data plane streams response bodies to kvbandit; closing early would drop response bytes, so kvbandit echoes them (set the ext_proc filter's response_header_mode SKIP and response_body_mode NONE to save the work)",
+			"response_body_mode", p.respMode.String(), "protocol_config_sent", p.modeKnown)
+	})
+	return out, false, nil
 }
 
 func (p *processor) appendBody(chunk []byte) error {

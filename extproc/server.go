@@ -103,7 +103,11 @@ type Server struct {
 
 	drainOnce sync.Once
 	drain     chan struct{}
-	wg        sync.WaitGroup
+	stopping  atomic.Bool
+	// unsafeClose warns once that response processing is off while the
+	// data plane still streams responses to kvbandit.
+	unsafeClose sync.Once
+	wg          sync.WaitGroup
 }
 
 var _ extprocv3.ExternalProcessorServer = (*Server)(nil)
@@ -125,12 +129,18 @@ func (s *Server) Config() Config { return s.cfg }
 // Streams returns the number of open streams.
 func (s *Server) Streams() int64 { return s.streams.Load() }
 
-// Drain tells every open stream to finish now: streams still in the
-// request phase are answered 503 shutting_down, streams in the response
-// phase echo what they have received and close with gRPC OK (their
-// decisions end as abandoned). New streams are refused with 503. Drain
-// returns at once; Wait blocks until the streams are gone.
+// Drain tells open streams to finish: streams still waiting for their
+// decision are answered 503 shutting_down, and new streams are refused
+// with 503. Decided streams keep echoing their response until it ends,
+// since closing a FULL_DUPLEX_STREAMED stream mid-body would lose the
+// chunks Envoy has in flight. Drain returns at once; Wait blocks until the
+// streams are gone.
 func (s *Server) Drain() { s.drainOnce.Do(func() { close(s.drain) }) }
+
+// Stopping marks the server as being stopped for good: streams whose
+// context ends from now on (the gRPC server's hard stop) end their
+// decisions as abandoned rather than cancelled.
+func (s *Server) Stopping() { s.stopping.Store(true) }
 
 // Wait blocks until every stream has ended or ctx is done.
 func (s *Server) Wait(ctx context.Context) error {
@@ -201,20 +211,26 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			}
 		case <-drain:
 			drain = nil
-			// Every chunk received so far has been answered (the receive
-			// loop replies before it reads the next one), so the stream
-			// can close now without dropping response bytes.
-			err, _ := r.control(func() (error, bool) {
-				if !p.decided() {
-					return s.fail(stream, p, ErrShuttingDown), true
+			// A stream still waiting for its decision is answered 503. A
+			// decided stream runs to its end: in FULL_DUPLEX_STREAMED mode
+			// Envoy drops the chunks it has sent but the server has not
+			// echoed yet, so an early close would cut holes in a response.
+			// The caller's hard stop bounds how long that may take.
+			if err, settled := r.control(func() (error, bool) {
+				if p.decided() {
+					return nil, false
 				}
-				p.abort(routing.OutcomeAbandoned, "")
-				return nil, true
-			})
-			return err
+				return s.fail(stream, p, ErrShuttingDown), true
+			}); settled {
+				return err
+			}
 		case <-ctx.Done():
 			r.control(func() (error, bool) {
-				p.abort(routing.OutcomeCancelled, "context_done")
+				if s.stopping.Load() {
+					p.abort(routing.OutcomeAbandoned, "server_stopped")
+				} else {
+					p.abort(routing.OutcomeCancelled, "context_done")
+				}
 				return nil, true
 			})
 			return nil

@@ -249,7 +249,12 @@ func TestOutcomeHalfCloseMidResponse(t *testing.T) {
 func TestResponseProcessingOffClosesAfterRequest(t *testing.T) {
 	h := newHarness(t, extproc.Config{ResponseProcessing: false}, nil)
 	s, _ := h.client.Process(t.Context())
-	requestPhase(t, s)
+	hdrs := reqHeaders("/v1/chat/completions", false, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED)
+	hdrs.ProtocolConfig.ResponseBodyMode = filterv3.ProcessingMode_NONE
+	send(t, s, hdrs)
+	send(t, s, reqBody(chat, true))
+	recv(t, s)
+	recv(t, s)
 	if _, err := s.Recv(); !errors.Is(err, io.EOF) {
 		t.Fatalf("want a clean close, got %v", err)
 	}
@@ -259,7 +264,30 @@ func TestResponseProcessingOffClosesAfterRequest(t *testing.T) {
 	h.noMoreOutcomes(t)
 }
 
-func TestDrainAbandonsResponsePhaseAfterEchoing(t *testing.T) {
+// TestResponseProcessingOffKeepsStreamedResponses: with response processing
+// off but the data plane streaming the response body to kvbandit anyway,
+// closing early would drop response chunks in flight, so kvbandit echoes the
+// response to its end; the decision still ended at pick time.
+func TestResponseProcessingOffKeepsStreamedResponses(t *testing.T) {
+	h := newHarness(t, extproc.Config{ResponseProcessing: false}, nil)
+	s, _ := h.client.Process(t.Context())
+	requestPhase(t, s)
+	if o := h.outcome(t); o.Kind != routing.OutcomeAbandoned {
+		t.Fatalf("outcome %+v", o)
+	}
+	send(t, s, respHeaders("200"))
+	recv(t, s)
+	send(t, s, respBody(sseContent, true))
+	if got := recv(t, s).GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetBody(); string(got) != sseContent {
+		t.Fatalf("response chunk not echoed: %q", got)
+	}
+	if _, err := s.Recv(); !errors.Is(err, io.EOF) {
+		t.Fatalf("want a clean close after the response, got %v", err)
+	}
+	h.noMoreOutcomes(t)
+}
+
+func TestDrainLetsDecidedStreamsFinish(t *testing.T) {
 	h := newHarness(t, extproc.Config{ResponseProcessing: true}, nil)
 	s, _ := h.client.Process(t.Context())
 	requestPhase(t, s)
@@ -270,9 +298,29 @@ func TestDrainAbandonsResponsePhaseAfterEchoing(t *testing.T) {
 		t.Fatal("chunk not echoed")
 	}
 	h.srv.Drain()
-	if _, err := s.Recv(); !errors.Is(err, io.EOF) {
-		t.Fatalf("drain must close with OK, got %v", err)
+	// Still echoing after the drain: the response runs to its end.
+	send(t, s, respBody(sseUsage, true))
+	if got := recv(t, s).GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetBody(); string(got) != sseUsage {
+		t.Fatal("chunk after drain not echoed")
 	}
+	if _, err := s.Recv(); !errors.Is(err, io.EOF) {
+		t.Fatalf("want a clean close, got %v", err)
+	}
+	if o := h.outcome(t); o.Kind != routing.OutcomeSuccess {
+		t.Fatalf("outcome %+v", o)
+	}
+	h.noMoreOutcomes(t)
+}
+
+func TestHardStopAbandons(t *testing.T) {
+	h := newHarness(t, extproc.Config{ResponseProcessing: true}, nil)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	s, _ := h.client.Process(ctx)
+	requestPhase(t, s)
+	h.srv.Drain()
+	h.srv.Stopping()
+	cancel() // what the gRPC server's Stop does to the stream context
 	if o := h.outcome(t); o.Kind != routing.OutcomeAbandoned {
 		t.Fatalf("outcome %+v", o)
 	}

@@ -67,11 +67,27 @@
 // connection failure) go through the response path like an upstream
 // response, as they do through Envoy's encoder filters.
 //
+// # Ordering and recording
+//
+// Each request is run by one loop, like Envoy's dispatcher: helper
+// goroutines only do I/O. Whatever the server has already sent (messages,
+// the end of the stream) is handled before any later upstream or client
+// event, as Envoy reads it off the connection in order; a server close that
+// arrives after the response phase started is handled as Envoy would, data
+// sent to the server and not returned being lost. Every message sent and
+// received, and every decision the proxy takes, is an [Event]; each HTTP
+// request is summarised as an [Exchange] ([Proxy.Exchanges],
+// [Proxy.WaitExchanges]), and Config.Trace sees events as they happen.
+//
 // # Known simplifications
 //
 // No HTTP/2 downstream, no retries or hedging (later addresses of the
-// destination list are never used), no mode_override, no observability
-// mode, no flow-control windows or watermarks. The 413 for a BUFFERED body
+// destination list are never used; envoy/sidecar.yaml retries connect
+// failures on them), no mode_override, no observability mode, no
+// flow-control windows or watermarks. The fallback policy is round robin
+// (envoy/sidecar.yaml uses least_request). The header filters of the
+// shipped configuration are opt-in (Config.StripRequestHeaders,
+// Config.RouteRemoveRequestHeaders). The 413 for a BUFFERED body
 // over the buffer limit closes the ext_proc stream and is not sent through
 // the response path. Round robin starts at the first host, not at a random
 // one.

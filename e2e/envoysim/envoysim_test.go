@@ -742,8 +742,13 @@ func TestBufferedMessageTimeout(t *testing.T) {
 }
 
 func TestCleanCloseIsPassthrough(t *testing.T) {
+	// The worker takes 3 x 50 ms before its response headers, so the
+	// server's close (sent right after its last request-path message)
+	// arrives first. Had the response started earlier, the bytes sent to
+	// the server would be lost, as in Envoy: a clean close is only safe
+	// while nothing is streaming to the server.
 	w1 := startWorker(t, worker.Config{})
-	w2 := startWorker(t, worker.Config{})
+	w2 := startWorker(t, worker.Config{TokenDelay: 50 * time.Millisecond})
 	pk := &picker{dest: w2.Addr(), closeAfterReq: true}
 	p := startProxy(t, envoysim.Config{ExtProcAddr: startExtProc(t, pk.process), Hosts: []string{w1.Addr(), w2.Addr()}})
 	resp := do(t, client(t), "POST", p.URL()+"/v1/completions", []byte(`{"model":"test-model","prompt":"hi","max_tokens":3}`), nil)
@@ -1034,5 +1039,31 @@ func TestManyConcurrent(t *testing.T) {
 		if len(id) != 1 {
 			t.Errorf("x-request-id %q", id)
 		}
+	}
+}
+
+func TestShippedHeaderFilters(t *testing.T) {
+	w1 := startWorker(t, worker.Config{})
+	pk := &picker{dest: w1.Addr()}
+	family := []string{envoysim.KeyDestination, envoysim.KeyServed, envoysim.KeySubset}
+	p := startProxy(t, envoysim.Config{ExtProcAddr: startExtProc(t, pk.process), Hosts: []string{w1.Addr()},
+		StripRequestHeaders: family, RouteRemoveRequestHeaders: family})
+	resp := do(t, client(t), "POST", p.URL()+"/v1/completions", []byte(`{"model":"test-model","prompt":"hi"}`), map[string]string{
+		envoysim.KeyDestination: "10.0.0.1:1", envoysim.KeyServed: "x",
+	})
+	if resp.status != 200 {
+		t.Fatalf("status %d", resp.status)
+	}
+	x := waitOne(t, p)
+	for _, name := range family {
+		if _, ok := headerValue(x.Sent()[0].GetRequestHeaders().GetHeaders(), name); ok {
+			t.Errorf("%s reached the ext_proc server", name)
+		}
+		if v := w1.Requests()[0].Header.Values(name); len(v) != 0 {
+			t.Errorf("%s reached the upstream: %q", name, v)
+		}
+	}
+	if x.Upstream != w1.Addr() || x.Fallback {
+		t.Errorf("upstream %q fallback %v", x.Upstream, x.Fallback)
 	}
 }

@@ -223,6 +223,7 @@ func (ex *exchange) run() {
 		case <-ex.r.Context().Done():
 			ex.rec.ClientCanceled = true
 			ex.note("client went away: closing the ext_proc stream and resetting the upstream request")
+			ex.reset = true
 			return
 		case <-ex.inbox.notify:
 		case ev := <-ex.events:
@@ -284,8 +285,7 @@ func (ex *exchange) handle(ev event) {
 		ex.onTrailers(ex.dec, ev.trailers)
 	case evRequestError:
 		ex.rec.ClientCanceled = true
-		ex.note("reading the request body failed: " + ev.err.Error())
-		ex.finished = true
+		ex.downstreamReset("reading the request body failed: " + ev.err.Error())
 	case evUpstreamResponse:
 		ex.onUpstreamResponse(ev.resp, ev.err)
 	case evResponseData:

@@ -80,6 +80,15 @@ type Config struct {
 	// filters before ext_proc would set it (merged over SubsetHint).
 	RequestMetadata func(*http.Request) map[string]*structpb.Struct
 
+	// StripRequestHeaders are removed from the client's request before the
+	// ext_proc filter sees it (a header_mutation filter in front of it, as
+	// envoy/sidecar.yaml has for the x-gateway-destination-endpoint*
+	// family). Default none, so tests see what kvbandit itself strips.
+	StripRequestHeaders []string
+	// RouteRemoveRequestHeaders are removed by the router before the
+	// upstream (route_config request_headers_to_remove). Default none.
+	RouteRemoveRequestHeaders []string
+
 	// FailureModeAllow is the filter's failure_mode_allow.
 	FailureModeAllow bool
 	// MessageTimeout is message_timeout for non-FULL_DUPLEX messages
@@ -448,6 +457,9 @@ func (ex *exchange) requestHeaders() headerMap {
 		{":scheme", "http"},
 	}
 	h = append(h, fromHTTP(r.Header)...)
+	for _, name := range ex.p.cfg.StripRequestHeaders {
+		h.del(strings.ToLower(name))
+	}
 	if _, ok := h.get("content-length"); !ok && r.ContentLength > 0 {
 		h.add("content-length", strconv.FormatInt(r.ContentLength, 10))
 	}
@@ -547,7 +559,8 @@ func (ex *exchange) startUpstream(h headerMap, eos bool) {
 	req := (&http.Request{Method: method, URL: u, Host: authority, Header: make(http.Header)}).WithContext(ctx)
 	req.Proto, req.ProtoMajor, req.ProtoMinor = "HTTP/1.1", 1, 1
 	for _, kv := range h {
-		if strings.HasPrefix(kv.key, ":") || connectionHeaders[kv.key] || kv.key == "content-length" {
+		if strings.HasPrefix(kv.key, ":") || connectionHeaders[kv.key] || kv.key == "content-length" ||
+			slices.ContainsFunc(ex.p.cfg.RouteRemoveRequestHeaders, func(n string) bool { return strings.EqualFold(n, kv.key) }) {
 			continue
 		}
 		req.Header.Add(kv.key, kv.value)

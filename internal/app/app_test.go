@@ -52,8 +52,8 @@ func TestVersionAndUsage(t *testing.T) {
 
 func TestServeFlagValidation(t *testing.T) {
 	cases := [][]string{
-		{},                                         // no workers
-		{"--endpoints", "localhost:80"},            // not an IP
+		{},                              // no workers
+		{"--endpoints", "localhost:80"}, // not an IP
 		{"--endpoints", "127.0.0.1:1", "--max-body-bytes", "0"},
 		{"--endpoints", "127.0.0.1:1", "--max-inflight", "-1"},
 		{"--endpoints", "127.0.0.1:1", "--fallbacks", "-1"},
@@ -130,7 +130,7 @@ func TestServeLifecycle(t *testing.T) {
 	ls := &Listeners{GRPC: listen(), Health: listen(), Metrics: listen(), Ready: func(g, h, m string) { ready <- [3]string{g, h, m} }}
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
-	o := ServeOptions{Endpoints: "127.0.0.1:8001,127.0.0.1:8002", Policy: "round_robin", MaxBodyBytes: 1 << 20, MaxInflight: 8, DecisionTimeout: time.Second, DrainTimeout: 100 * time.Millisecond, ResponseProcessing: true, LogLevel: "info", LogFormat: "text", MetricsAddr: "x"}
+	o := ServeOptions{Endpoints: "127.0.0.1:8001,127.0.0.1:8002", Policy: "round_robin", MaxBodyBytes: 1 << 20, MaxInflight: 8, DecisionTimeout: time.Second, DrainTimeout: 100 * time.Millisecond, StopGrace: 100 * time.Millisecond, ResponseProcessing: true, LogLevel: "info", LogFormat: "text", MetricsAddr: "x"}
 	done := make(chan error, 1)
 	go func() { done <- Serve(ctx, o, slog.New(slog.NewTextHandler(io.Discard, nil)), ls) }()
 	var addrs [3]string

@@ -50,6 +50,7 @@ type ServeOptions struct {
 	Fallbacks          int
 	DecisionTimeout    time.Duration
 	DrainTimeout       time.Duration
+	StopGrace          time.Duration
 	TenantHeader       string
 	ResponseProcessing bool
 	LogLevel           string
@@ -71,6 +72,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.Fallbacks, "fallbacks", 0, "extra endpoints appended to the destination list; keep 0 with ORIGINAL_DST data planes")
 	fs.DurationVar(&o.DecisionTimeout, "decision-timeout", extproc.DefaultDecisionTimeout, "request headers -> decision deadline (503 decision_timeout beyond); never applies to the response")
 	fs.DurationVar(&o.DrainTimeout, "drain-timeout", 25*time.Second, "on SIGTERM: readiness goes NOT_SERVING, open streams get this long to finish before they are closed")
+	fs.DurationVar(&o.StopGrace, "stop-grace", 5*time.Second, "after the drain deadline: how long streams that already have a decision may keep streaming their response before they are cut")
 	fs.StringVar(&o.TenantHeader, "tenant-header", "", "request header, set by the gateway, that scopes prefix state per tenant")
 	fs.BoolVar(&o.ResponseProcessing, "response-processing", true, "keep the ext_proc stream for the response (outcomes, TTFT, load accounting); false closes it after the request phase")
 	fs.StringVar(&o.LogLevel, "log-level", "info", "debug | info | warn | error")
@@ -106,6 +108,9 @@ func (o *ServeOptions) Validate() error {
 	}
 	if o.DrainTimeout < 0 {
 		errs = append(errs, errors.New("--drain-timeout must be >= 0"))
+	}
+	if o.StopGrace < 0 {
+		errs = append(errs, errors.New("--stop-grace must be >= 0"))
 	}
 	if o.Endpoints == "" && o.ConfigPath == "" {
 		errs = append(errs, errors.New("no workers: give --endpoints or --config with endpoints"))
@@ -315,27 +320,33 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	case runErr = <-errc:
 	}
 
-	// Shutdown: readiness first, so Envoy stops sending new streams.
+	// Shutdown: readiness first, so Envoy stops sending new streams; open
+	// streams get DrainTimeout to finish on their own. Then streams still
+	// waiting for a decision are answered 503 and new ones refused, while
+	// decided streams keep echoing their responses (an early close would
+	// drop chunks Envoy has in flight) until StopGrace runs out.
 	log.Info("shutting down", "drain_timeout", o.DrainTimeout, "streams", ep.Streams())
 	setReady(false)
 	hs.Shutdown()
 	drainCtx, cancel := context.WithTimeout(context.Background(), o.DrainTimeout)
 	if err := ep.Wait(drainCtx); err != nil {
-		log.Warn("drain deadline reached; closing open streams", "streams", ep.Streams())
+		log.Warn("drain deadline reached; refusing undecided streams", "streams", ep.Streams())
 	}
 	cancel()
 	ep.Drain()
-	closeCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	closeCtx, cancel := context.WithTimeout(context.Background(), o.StopGrace)
 	if err := ep.Wait(closeCtx); err != nil {
-		log.Warn("streams still open after drain; stopping", "streams", ep.Streams())
+		log.Warn("streams still open after the stop grace period; closing them", "streams", ep.Streams())
 	}
 	cancel()
+	ep.Stopping()
 	stopped := make(chan struct{})
 	go func() { gs.GracefulStop(); close(stopped) }()
 	select {
 	case <-stopped:
-	case <-time.After(2 * time.Second):
+	case <-time.After(time.Second):
 		gs.Stop()
+		<-stopped
 	}
 	hgs.Stop()
 	if hsrv != nil {
