@@ -41,7 +41,14 @@
 // or never when the request is rejected). From then on exactly one call of
 // Decision.Done ends it: at the end of the response (success or upstream
 // error by status), when the stream context ends (client cancel or Envoy
-// reset), when a protocol error aborts the stream, when the server drains
-// (abandoned), or right after the request phase when response processing is
-// turned off (abandoned: no outcome is observed).
+// reset), when a protocol error aborts the stream, when the server's hard
+// stop cuts it (abandoned), or right after the request phase when response
+// processing is turned off (abandoned: no outcome is observed).
+//
+// Closing a stream cleanly makes Envoy continue without the server, but in
+// FULL_DUPLEX_STREAMED mode Envoy drops body chunks it has sent and not got
+// back. So kvbandit never closes in the middle of a response body: on
+// [Server.Drain] undecided streams are answered 503 and decided ones run to
+// their end; with response processing off the stream closes early only when
+// protocol_config says no response body will be sent (NONE).
 package extproc
