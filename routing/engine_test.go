@@ -123,10 +123,10 @@ func TestCandidatesByModelAndSubset(t *testing.T) {
 	e := newEngine(t, "round_robin", routing.Options{},
 		ep("10.0.0.1:8000", "llama"), ep("10.0.0.1:8001", "qwen"), ep("[fd00::1]:8000", "qwen"))
 	cases := []struct {
-		name   string
-		req    routing.Request
-		want   []routing.EndpointKey
-		errIs  error
+		name  string
+		req   routing.Request
+		want  []routing.EndpointKey
+		errIs error
 	}{
 		{"model filter", routing.Request{Model: "qwen"}, []routing.EndpointKey{"10.0.0.1:8001", "[fd00::1]:8000"}, nil},
 		{"unknown model", routing.Request{Model: "gpt"}, nil, routing.ErrModelNotFound},
