@@ -294,9 +294,14 @@ func (r *run) step(ctx context.Context, m *extprocv3.ProcessingRequest, err erro
 			p.endOfStream()
 			return nil, true
 		}
-		p.abort(routing.OutcomeReset, "recv_error")
-		if status.Code(err) == codes.Canceled {
+		switch {
+		case s.stopping.Load():
+			p.abort(routing.OutcomeAbandoned, "server_stopped")
+		case status.Code(err) == codes.Canceled:
+			p.abort(routing.OutcomeCancelled, "cancelled")
 			return nil, true
+		default:
+			p.abort(routing.OutcomeReset, "recv_error")
 		}
 		return err, true
 	}

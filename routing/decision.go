@@ -92,7 +92,8 @@ type Decision struct {
 	// At is when the decision was made.
 	At time.Time
 
-	state *EndpointState
+	// state is the policy's private per-decision state (Choice.State).
+	state any
 	live  *Live
 	done  atomic.Bool
 	onEnd func(*Decision, Outcome)
@@ -113,6 +114,10 @@ func (d *Decision) Done(o Outcome) bool {
 	}
 	return true
 }
+
+// PolicyState returns the policy-private state the policy attached in its
+// Choice. Only the policy that made the decision should call it.
+func (d *Decision) PolicyState() any { return d.state }
 
 // Finished reports whether Done was called.
 func (d *Decision) Finished() bool { return d.done.Load() }

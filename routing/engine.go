@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -42,18 +43,16 @@ type Live struct {
 	Decisions atomic.Int64
 }
 
-// Candidates is the list a policy chooses from. Policies must not modify it.
-type Candidates []*EndpointState
-
-// Choice is a policy's answer: the index of the chosen candidate, further
-// candidates in preference order for fallbacks (may be nil), and optional
-// per-candidate scores aligned with the candidate list.
+// Choice is a policy's answer: the index of the chosen candidate in
+// Scoring.Candidates, further candidates in preference order for fallbacks
+// (may be nil), optional per-candidate scores aligned with the candidates,
+// and policy-private state that comes back with the decision in Done.
 type Choice struct {
-	Index   int
-	Ranked  []int
-	Scores  []float64
-	Overlap int
-	DPRank  int
+	Index  int
+	Ranked []int
+	Scores []float64
+	// State is kept in the Decision and handed back to the policy's Done.
+	State any
 }
 
 // Policy chooses among eligible candidates. Implementations are safe for
@@ -61,11 +60,12 @@ type Choice struct {
 type Policy interface {
 	// Name is the --policy value.
 	Name() string
-	// Choose picks one of cands (len(cands) > 0). When commit is false the
-	// call must have no side effects (Score).
-	Choose(req *Request, cands Candidates, commit bool) (Choice, error)
-	// Done receives the outcome of a decision the policy made.
-	Done(d *Decision, cands *EndpointState, o Outcome)
+	// Choose picks one of s.Candidates (never empty). When commit is false
+	// the call must have no side effects (Score): no learning, no budget
+	// spent, no counters moved.
+	Choose(s *Scoring, commit bool) (Choice, error)
+	// Done receives the outcome of a committed decision, exactly once.
+	Done(d *Decision, o Outcome)
 }
 
 // Deps are the engine's injected dependencies. Nil fields get defaults.
@@ -193,7 +193,7 @@ func (e *Engine) Score(_ context.Context, req *Request) (*Decision, error) {
 }
 
 // candidates filters the snapshot by model and subset hint.
-func (s *snapshot) candidates(req *Request, passThrough bool) (Candidates, error) {
+func (s *snapshot) candidates(req *Request, passThrough bool) ([]*EndpointState, error) {
 	if len(s.states) == 0 {
 		return nil, ErrNoEndpoints
 	}
@@ -209,7 +209,7 @@ func (s *snapshot) candidates(req *Request, passThrough bool) (Candidates, error
 	if !filterModel && req.Subset == nil {
 		return s.states, nil
 	}
-	out := make(Candidates, 0, len(s.states))
+	out := make([]*EndpointState, 0, len(s.states))
 	for _, st := range s.states {
 		if filterModel && !st.Serves(req.Model) {
 			continue
@@ -229,30 +229,36 @@ func (s *snapshot) candidates(req *Request, passThrough bool) (Candidates, error
 }
 
 func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
-	s := e.snap.Load()
-	cands, err := s.candidates(req, e.opts.PassThroughUnknownModels)
+	snap := e.snap.Load()
+	eps, err := snap.candidates(req, e.opts.PassThroughUnknownModels)
 	if err != nil {
 		return nil, err
 	}
-	ch, err := e.policy.Choose(req, cands, commit)
+	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: e.clk.Now(), Candidates: make([]Candidate, 0, len(eps))}
+	for _, st := range eps {
+		sc.Candidates = append(sc.Candidates, Candidate{State: st, DPRank: -1})
+	}
+	ch, err := e.policy.Choose(sc, commit)
 	if err != nil {
 		return nil, err
 	}
-	if ch.Index < 0 || ch.Index >= len(cands) {
-		return nil, fmt.Errorf("policy %s chose index %d of %d: %w", e.policy.Name(), ch.Index, len(cands), ErrNoEndpoints)
+	if ch.Index < 0 || ch.Index >= len(sc.Candidates) {
+		return nil, fmt.Errorf("policy %s chose index %d of %d: %w", e.policy.Name(), ch.Index, len(sc.Candidates), ErrNoEndpoints)
 	}
-	st := cands[ch.Index]
+	c := &sc.Candidates[ch.Index]
+	st := c.State
 	d := &Decision{
 		Policy:   e.policy.Name(),
 		Endpoint: st.Key,
-		DPRank:   ch.DPRank,
-		Overlap:  ch.Overlap,
-		At:       e.clk.Now(),
+		DPRank:   c.DPRank,
+		Overlap:  c.Overlap,
+		At:       sc.Now,
+		state:    ch.State,
 	}
 	if ch.Scores != nil {
-		d.Scores = make([]Score, len(cands))
-		for i, c := range cands {
-			d.Scores[i] = Score{Endpoint: c.Key, Score: ch.Scores[i]}
+		d.Scores = make([]Score, len(sc.Candidates))
+		for i := range sc.Candidates {
+			d.Scores[i] = Score{Endpoint: sc.Candidates[i].Key(), DPRank: sc.Candidates[i].DPRank, Score: ch.Scores[i]}
 		}
 	}
 	if e.opts.Fallbacks > 0 {
@@ -260,8 +266,11 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 			if len(d.Fallbacks) == e.opts.Fallbacks {
 				break
 			}
-			if i != ch.Index && i >= 0 && i < len(cands) {
-				d.Fallbacks = append(d.Fallbacks, cands[i].Key)
+			if i >= 0 && i < len(sc.Candidates) {
+				k := sc.Candidates[i].Key()
+				if k != st.Key && !slices.Contains(d.Fallbacks, k) {
+					d.Fallbacks = append(d.Fallbacks, k)
+				}
 			}
 		}
 	}
@@ -270,7 +279,6 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		return d, nil
 	}
 	d.ID = strconv.FormatUint(e.ids.Add(1), 36)
-	d.state = st
 	d.live = st.Live
 	st.InFlight.Add(1)
 	st.Decisions.Add(1)
@@ -282,7 +290,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 }
 
 func (e *Engine) end(d *Decision, o Outcome) {
-	e.policy.Done(d, d.state, o)
+	e.policy.Done(d, o)
 	if e.deps.OnDone != nil {
 		e.deps.OnDone(d, o)
 	}

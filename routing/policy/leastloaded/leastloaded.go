@@ -28,12 +28,13 @@ func (*Policy) Name() string { return Name }
 
 // Choose implements [routing.Policy]. Scores are the negated in-flight
 // counts (higher is better).
-func (p *Policy) Choose(_ *routing.Request, cands routing.Candidates, _ bool) (routing.Choice, error) {
+func (p *Policy) Choose(s *routing.Scoring, _ bool) (routing.Choice, error) {
+	cands := s.Candidates
 	scores := make([]float64, len(cands))
 	best, ties := int64(-1), 0
 	choice := 0
-	for i, c := range cands {
-		n := c.InFlight.Load()
+	for i := range cands {
+		n := cands[i].State.InFlight.Load()
 		scores[i] = -float64(n)
 		switch {
 		case best < 0 || n < best:
@@ -63,12 +64,12 @@ func (p *Policy) Choose(_ *routing.Request, cands routing.Candidates, _ bool) (r
 		}
 		return 0
 	})
-	return routing.Choice{Index: choice, Ranked: ranked, Scores: scores, DPRank: -1}, nil
+	return routing.Choice{Index: choice, Ranked: ranked, Scores: scores}, nil
 }
 
 // Done implements [routing.Policy]; the engine already released the
 // in-flight count.
-func (*Policy) Done(*routing.Decision, *routing.EndpointState, routing.Outcome) {}
+func (*Policy) Done(*routing.Decision, routing.Outcome) {}
 
 // NeedsOutcomes implements [routing.OutcomeAware]: in-flight counts only
 // fall when outcomes are reported.

@@ -20,7 +20,8 @@ func New(rnd *routing.Rand) *Policy { return &Policy{rnd: rnd} }
 func (*Policy) Name() string { return Name }
 
 // Choose implements [routing.Policy].
-func (p *Policy) Choose(_ *routing.Request, cands routing.Candidates, _ bool) (routing.Choice, error) {
+func (p *Policy) Choose(s *routing.Scoring, _ bool) (routing.Choice, error) {
+	cands := s.Candidates
 	i := p.rnd.IntN(len(cands))
 	ranked := make([]int, 0, len(cands))
 	ranked = append(ranked, i)
@@ -29,8 +30,8 @@ func (p *Policy) Choose(_ *routing.Request, cands routing.Candidates, _ bool) (r
 			ranked = append(ranked, k)
 		}
 	}
-	return routing.Choice{Index: i, Ranked: ranked, DPRank: -1}, nil
+	return routing.Choice{Index: i, Ranked: ranked}, nil
 }
 
 // Done implements [routing.Policy].
-func (*Policy) Done(*routing.Decision, *routing.EndpointState, routing.Outcome) {}
+func (*Policy) Done(*routing.Decision, routing.Outcome) {}

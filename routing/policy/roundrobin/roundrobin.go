@@ -26,7 +26,8 @@ func New() *Policy { return &Policy{} }
 func (*Policy) Name() string { return Name }
 
 // Choose implements [routing.Policy].
-func (p *Policy) Choose(_ *routing.Request, cands routing.Candidates, commit bool) (routing.Choice, error) {
+func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error) {
+	cands := s.Candidates
 	var n uint64
 	if commit {
 		n = p.next.Add(1) - 1
@@ -38,8 +39,8 @@ func (p *Policy) Choose(_ *routing.Request, cands routing.Candidates, commit boo
 	for k := range ranked {
 		ranked[k] = (i + k) % len(cands)
 	}
-	return routing.Choice{Index: i, Ranked: ranked, DPRank: -1}, nil
+	return routing.Choice{Index: i, Ranked: ranked}, nil
 }
 
 // Done implements [routing.Policy]; round robin learns nothing.
-func (*Policy) Done(*routing.Decision, *routing.EndpointState, routing.Outcome) {}
+func (*Policy) Done(*routing.Decision, routing.Outcome) {}

@@ -1,0 +1,66 @@
+package routing
+
+import "time"
+
+// Load is an endpoint's load as its metrics report it (scraped off the
+// request path). The zero value means "nothing known".
+type Load struct {
+	// Waiting is the number of requests queued in the engine.
+	Waiting float64
+	// Running is the number of requests being processed.
+	Running float64
+	// KVUsage is the fraction of KV cache in use, in [0, 1].
+	KVUsage float64
+	// Known is set once a scrape succeeded.
+	Known bool
+	// Stale is set when the last good scrape is too old; stale load counts
+	// as saturated unless every endpoint is stale.
+	Stale bool
+}
+
+// Candidate is one (endpoint, data-parallel rank) that a policy may choose,
+// with what the engine knows about it for the current request. Policies
+// must not modify candidates.
+type Candidate struct {
+	// State is the endpoint with its live counters.
+	State *EndpointState
+	// DPRank is the data-parallel rank, or -1 for a single-rank endpoint.
+	DPRank int
+	// Overlap is the number of the request's leading blocks cached on the
+	// candidate, per the KV index.
+	Overlap int
+	// TreeSize is the number of blocks indexed for the candidate (the
+	// tie-break: less cached state first).
+	TreeSize int
+	// ActivePrefillTokens is the prompt tokens of in-flight requests on the
+	// candidate that have not finished prefill.
+	ActivePrefillTokens int64
+	// ActiveBlocks is the KV blocks held by in-flight requests, each shared
+	// block counted once.
+	ActiveBlocks int64
+	// NewBlocks is the number of the request's blocks (partial last block
+	// included) not already held by an in-flight request on the candidate.
+	NewBlocks int
+	// Load is the scraped load.
+	Load Load
+}
+
+// Key returns the candidate's endpoint key.
+func (c *Candidate) Key() EndpointKey { return c.State.Key }
+
+// Scoring is everything a policy sees for one request.
+type Scoring struct {
+	Req *Request
+	// BlockSize is the KV block size (tokens) used for this request's keys.
+	BlockSize int
+	// Blocks are the chained block keys of the prompt's complete blocks.
+	Blocks []uint64
+	// ISL is the prompt length in tokens.
+	ISL int
+	// Candidates are the eligible (endpoint, rank) pairs, in a stable order.
+	Candidates []Candidate
+	// Rand is the engine's lock-free random source.
+	Rand *Rand
+	// Now is the decision time from the engine's clock.
+	Now time.Time
+}
