@@ -355,7 +355,8 @@ func (p *processor) tokenize(ctx context.Context, parsed *openai.Request, req *r
 		}
 		p.s.log.Debug("tokenizer failed; estimating", "err", err)
 	}
-	req.TokenCount = (parsed.TextLen() + 3) / 4
+	req.Tokens = estimateTokens(parsed)
+	req.TokenCount = len(req.Tokens)
 	req.Estimated = true
 }
 
@@ -633,6 +634,7 @@ func (p *processor) observeResponse(chunk []byte) {
 func (p *processor) markFirstContent() {
 	p.sawContent = true
 	p.ttft = p.s.clk.Now().Sub(p.decision.At)
+	p.decision.Prefilled()
 }
 
 func (p *processor) statusKind() routing.OutcomeKind {

@@ -93,10 +93,24 @@ type Decision struct {
 	At time.Time
 
 	// state is the policy's private per-decision state (Choice.State).
-	state any
-	live  *Live
-	done  atomic.Bool
-	onEnd func(*Decision, Outcome)
+	state     any
+	live      *Live
+	done      atomic.Bool
+	onEnd     func(*Decision, Outcome)
+	onFirst   func()
+	prefilled atomic.Bool
+}
+
+// Prefilled reports that the response's first generated content arrived:
+// the request's prompt has been prefilled, so its tokens stop counting as
+// prefill load. Calls after the first, or after Done, do nothing.
+func (d *Decision) Prefilled() {
+	if d == nil || d.done.Load() || !d.prefilled.CompareAndSwap(false, true) {
+		return
+	}
+	if d.onFirst != nil {
+		d.onFirst()
+	}
 }
 
 // Done reports the request's outcome. The first call releases the
