@@ -135,3 +135,10 @@ func (d *Decision) PolicyState() any { return d.state }
 
 // Finished reports whether Done was called.
 func (d *Decision) Finished() bool { return d.done.Load() }
+
+// NewTestDecision returns a decision for endpoint ep carrying the policy
+// state st, as a policy's Done receives it. It is for policy unit tests,
+// which run without an engine: they call the policy's Done with it.
+func NewTestDecision(ep EndpointKey, st any, at time.Time) *Decision {
+	return &Decision{Endpoint: ep, DPRank: -1, At: at, state: st}
+}

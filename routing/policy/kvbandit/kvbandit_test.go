@@ -1,0 +1,220 @@
+package kvbandit
+
+import (
+	"math"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvbandit/kvbandit/routing"
+)
+
+func cands(keys ...string) []routing.Candidate {
+	out := make([]routing.Candidate, len(keys))
+	for i, k := range keys {
+		out[i] = routing.Candidate{State: &routing.EndpointState{Endpoint: routing.Endpoint{Key: routing.EndpointKey(k)}}, DPRank: -1, NewBlocks: 4}
+	}
+	return out
+}
+
+func scoring(cs []routing.Candidate, rnd *routing.Rand) *routing.Scoring {
+	return &routing.Scoring{Req: &routing.Request{}, BlockSize: 16, ISL: 64, Candidates: cs, Rand: rnd, Now: time.Unix(100, 0)}
+}
+
+// decide runs Choose and returns a Decision carrying the policy state, as
+// the engine would.
+func decide(t *testing.T, p *Policy, s *routing.Scoring) (int, *routing.Decision) {
+	t.Helper()
+	ch, err := p.Choose(s, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ch.Index, routing.NewTestDecision(s.Candidates[ch.Index].Key(), ch.State, s.Now)
+}
+
+func TestWithoutUncertaintyItIsTheKVCostModel(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Speed.PriorSigma = 0
+	p, err := New(cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs := cands("a:1", "b:1", "c:1")
+	cs[1].Overlap = 3 // cheapest prefill
+	rnd := routing.NewRand(1)
+	for range 50 {
+		if i, _ := decide(t, p, scoring(cs, rnd)); i != 1 {
+			t.Fatalf("chose %d, want the most-cached candidate", i)
+		}
+	}
+}
+
+func TestLearnsASlowEndpoint(t *testing.T) {
+	p, _ := New(DefaultConfig(), nil)
+	rnd := routing.NewRand(2)
+	cs := cands("10.0.0.1:1", "10.0.0.2:1")
+	msPerToken := map[routing.EndpointKey]float64{"10.0.0.1:1": 10, "10.0.0.2:1": 25}
+	picks := map[routing.EndpointKey]int{}
+	for i := range 400 {
+		idx, d := decide(t, p, scoring(cs, rnd))
+		ep := cs[idx].Key()
+		if i >= 200 {
+			picks[ep]++
+		}
+		tokens := 100
+		p.Done(d, routing.Outcome{Kind: routing.OutcomeSuccess, Latency: time.Duration(msPerToken[ep]*float64(tokens)+float64(64)/20*msPerToken[ep]) * time.Millisecond, CompletionTokens: tokens})
+	}
+	post := p.Posteriors()
+	if len(post) != 2 {
+		t.Fatalf("posteriors %+v", post)
+	}
+	// Thompson sampling stops trying the slow arm once it is confidently
+	// worse, so its estimate stays rough; it must point the right way.
+	if ratio := post[1].Factor / post[0].Factor; ratio < 1.4 {
+		t.Fatalf("learned speed ratio %.2f, want well above 1 (true 2.5) (%+v)", ratio, post)
+	}
+	if picks["10.0.0.1:1"] < 150 {
+		t.Fatalf("after learning, the fast endpoint got %d of 200 equal-cost picks", picks["10.0.0.1:1"])
+	}
+}
+
+func TestForgetsWhenAnEndpointRecovers(t *testing.T) {
+	p, _ := New(DefaultConfig(), nil)
+	k := postKey{"a:1", -1}
+	other := postKey{"b:1", -1}
+	at := time.Unix(0, 0)
+	for range 100 {
+		p.observe(k, math.Log(40), at)
+		p.observe(other, math.Log(10), at)
+	}
+	slow := p.Posteriors()[0].Factor
+	for range 60 {
+		p.observe(k, math.Log(10), at)
+		p.observe(other, math.Log(10), at)
+	}
+	now := p.Posteriors()[0].Factor
+	if !(slow > 1.5 && now < 1.3) {
+		t.Fatalf("factor while slow %.2f, after recovery %.2f", slow, now)
+	}
+}
+
+func TestNonSuccessTeachesNothing(t *testing.T) {
+	p, _ := New(DefaultConfig(), nil)
+	cs := cands("a:1")
+	for _, k := range []routing.OutcomeKind{routing.OutcomeUpstreamError, routing.OutcomeCancelled, routing.OutcomeAbandoned, routing.OutcomeExpired} {
+		_, d := decide(t, p, scoring(cs, routing.NewRand(1)))
+		p.Done(d, routing.Outcome{Kind: k, Latency: time.Second, CompletionTokens: 10})
+	}
+	_, d := decide(t, p, scoring(cs, routing.NewRand(1)))
+	p.Done(d, routing.Outcome{Kind: routing.OutcomeSuccess, Latency: time.Second, CompletionTokens: -1})
+	if got := p.Posteriors(); len(got) != 0 {
+		t.Fatalf("learned from %+v", got)
+	}
+}
+
+// fakePrefixes is a hand-written Prefixes.
+type fakePrefixes struct {
+	mu          sync.Mutex
+	sess        Session
+	ok          bool
+	outstanding map[routing.EndpointKey]float64
+	pinned      routing.EndpointKey
+	work        float64
+}
+
+func (f *fakePrefixes) Arrive(*routing.Request, bool) (Session, bool) { return f.sess, f.ok }
+func (f *fakePrefixes) Pin(_ *routing.Request, ep routing.EndpointKey, _, _ int, work float64) {
+	f.mu.Lock()
+	f.pinned, f.work = ep, work
+	f.mu.Unlock()
+}
+func (f *fakePrefixes) Outstanding(ep routing.EndpointKey) float64 { return f.outstanding[ep] }
+
+func TestAffinityHoldsASessionAndDecays(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Speed.PriorSigma = 0
+	cfg.Affinity.Weight = 1
+	fp := &fakePrefixes{ok: true, sess: Session{Reuse: 4, Last: "a:1", Since: 0}}
+	p, _ := New(cfg, fp)
+	cs := cands("a:1", "b:1")
+	cs[0].NewBlocks = 6 // a costs 2 blocks more; credit 1·4/5·4 = 3.2 blocks
+	s := scoring(cs, routing.NewRand(1))
+	s.Req.Hints.IAT = routing.LevelLow
+	if i, _ := decide(t, p, s); i != 0 {
+		t.Fatal("affinity did not keep the session on its endpoint")
+	}
+	if fp.pinned != "a:1" || fp.work <= 0 {
+		t.Fatalf("pinned %q work %v", fp.pinned, fp.work)
+	}
+	fp.sess.Since = 10 * time.Second // 5 decay times at LOW (2 s): credit ≈ 0.02
+	if i, _ := decide(t, p, s); i != 1 {
+		t.Fatal("a stale affinity still outweighs the cost")
+	}
+	fp.sess = Session{Reuse: 0, Last: "a:1"}
+	if i, _ := decide(t, p, s); i != 1 {
+		t.Fatal("no reuse budget left, yet affinity applied")
+	}
+}
+
+func TestOutstandingWorkSpreadsSessions(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.Speed.PriorSigma = 0
+	fp := &fakePrefixes{ok: true, outstanding: map[routing.EndpointKey]float64{"a:1": 100}}
+	p, _ := New(cfg, fp)
+	if i, _ := decide(t, p, scoring(cands("a:1", "b:1"), routing.NewRand(1))); i != 1 {
+		t.Fatal("new session placed on the endpoint with more announced work")
+	}
+}
+
+func TestScoreHasNoSideEffects(t *testing.T) {
+	fp := &fakePrefixes{ok: true, sess: Session{Reuse: 3}}
+	p, _ := New(DefaultConfig(), fp)
+	if _, err := p.Choose(scoring(cands("a:1"), routing.NewRand(1)), false); err != nil {
+		t.Fatal(err)
+	}
+	if fp.pinned != "" {
+		t.Fatal("Score pinned a session")
+	}
+}
+
+func TestValidate(t *testing.T) {
+	bad := []func(*Config){
+		func(c *Config) { c.OverlapScoreWeight = -1 },
+		func(c *Config) { c.Speed.ObsSigma = 0 },
+		func(c *Config) { c.Speed.Forget = 1.5 },
+		func(c *Config) { c.Speed.PriorSigma = math.NaN() },
+		func(c *Config) { c.Speed.MaxFactor = 0.5 },
+		func(c *Config) { c.Affinity.DecayLow = 0 },
+	}
+	for i, f := range bad {
+		c := DefaultConfig()
+		f(&c)
+		if _, err := New(c, nil); err == nil {
+			t.Errorf("case %d accepted", i)
+		}
+	}
+}
+
+func TestConcurrentChooseAndDone(t *testing.T) {
+	p, _ := New(DefaultConfig(), nil)
+	rnd := routing.NewRand(5)
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			cs := cands("a:1", "b:1", "c:1")
+			for i := range 500 {
+				ch, _ := p.Choose(scoring(cs, rnd), true)
+				d := routing.NewTestDecision(cs[ch.Index].Key(), ch.State, time.Unix(int64(i), 0))
+				p.Done(d, routing.Outcome{Kind: routing.OutcomeSuccess, Latency: time.Duration(10+g) * time.Millisecond, CompletionTokens: 5})
+			}
+		}()
+	}
+	wg.Wait()
+	for _, post := range p.Posteriors() {
+		if math.IsNaN(post.Factor) || post.Observations == 0 {
+			t.Fatalf("%+v", post)
+		}
+	}
+}
