@@ -37,7 +37,7 @@ func BenchmarkExtProcExchange(b *testing.B) {
 			b.Run(fmt.Sprintf("body=%dKB/server=%s", size>>10, srv), func(b *testing.B) {
 				var impl extprocv3.ExternalProcessorServer = echoServer{}
 				if srv == "kvbandit" {
-					e := routing.NewEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
+					e := routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
 					if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}, {Key: "10.0.0.2:8000"}}}); err != nil {
 						b.Fatal(err)
 					}

@@ -93,7 +93,7 @@ func runCase(t *testing.T, gc goldenCase, reqs []*extprocv3.ProcessingRequest) (
 		t.Fatal(err)
 	}
 	log := slog.New(slog.DiscardHandler)
-	e := routing.NewEngine(pol, routing.Options{Fallbacks: gc.Fallbacks}, routing.Deps{Rand: rnd, Logger: log})
+	e := routing.MustEngine(pol, routing.Options{Fallbacks: gc.Fallbacks}, routing.Deps{Rand: rnd, Logger: log})
 	if err := e.Update(routing.EndpointSet{Source: "golden", Endpoints: gc.Endpoints}); err != nil {
 		t.Fatal(err)
 	}

@@ -44,7 +44,7 @@ func newHarness(t *testing.T, cfg extproc.Config, clk clock.Clock) *harness {
 	t.Helper()
 	h := &harness{reg: prometheus.NewRegistry(), doneC: make(chan routing.Outcome, 16)}
 	log := slog.New(slog.DiscardHandler)
-	h.engine = routing.NewEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: log, Clock: clk, OnDone: func(_ *routing.Decision, o routing.Outcome) {
+	h.engine = routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: log, Clock: clk, OnDone: func(_ *routing.Decision, o routing.Outcome) {
 		h.mu.Lock()
 		h.outcomes = append(h.outcomes, o)
 		h.mu.Unlock()

@@ -3,6 +3,9 @@ package routing
 import (
 	"sync/atomic"
 	"time"
+
+	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/slots"
 )
 
 // OutcomeKind says how a request ended.
@@ -95,6 +98,8 @@ type Decision struct {
 	// state is the policy's private per-decision state (Choice.State).
 	state     any
 	live      *Live
+	entry     *slots.Entry
+	timer     clock.Timer
 	done      atomic.Bool
 	onEnd     func(*Decision, Outcome)
 	onFirst   func()

@@ -2,14 +2,19 @@ package routing
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"time"
 
+	"github.com/kvbandit/kvbandit/routing/admission"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/kvindex"
+	"github.com/kvbandit/kvbandit/routing/slots"
 )
 
 // Picker chooses an endpoint for one request. Pick does not block, does no
@@ -36,6 +41,12 @@ type EndpointState struct {
 
 // Live holds an endpoint's counters that outlive snapshots.
 type Live struct {
+	// ranks holds each data-parallel rank's slot (in-flight load) and KV
+	// index worker; immutable once the Live is published.
+	ranks []*rankState
+	// scraped is the endpoint's last scraped load; nil until a scrape.
+	scraped atomic.Pointer[Load]
+
 	// InFlight is the number of decisions on the endpoint whose Done has
 	// not been called yet.
 	InFlight atomic.Int64
@@ -79,13 +90,58 @@ type Deps struct {
 	OnDone func(*Decision, Outcome)
 }
 
-// Options are the engine's behaviour switches.
+// Options are the engine's behaviour switches. The zero value is usable:
+// zero fields take the defaults below.
 type Options struct {
 	// Fallbacks is the number of extra endpoints to append to decisions.
 	Fallbacks int
 	// PassThroughUnknownModels routes a model no endpoint declares to any
 	// endpoint instead of failing with ErrModelNotFound.
 	PassThroughUnknownModels bool
+	// BlockSize is the KV block size in tokens for endpoints that do not
+	// report their own (--router-block-size, default 16).
+	BlockSize int
+	// DisableActiveBlocks turns off the in-flight block accounting
+	// (--no-router-track-active-blocks): no request blocks are held.
+	DisableActiveBlocks bool
+	// StaleAfter releases a decision whose Done never came
+	// (default 5 minutes).
+	StaleAfter time.Duration
+	// Index configures the KV index's approximate mode (TTL, cap, pruning).
+	Index kvindex.Options
+	// Admission configures the admission queue (off unless Threshold > 0).
+	Admission admission.Config
+	// DefaultMaxBatchedTokens is an endpoint's prefill capacity when
+	// discovery does not say (default 8192).
+	DefaultMaxBatchedTokens int
+}
+
+// Defaults for [Options].
+const (
+	DefaultBlockSize        = 16
+	DefaultStaleAfter       = 5 * time.Minute
+	DefaultMaxBatchedTokens = 8192
+)
+
+func (o *Options) defaults() {
+	if o.BlockSize <= 0 {
+		o.BlockSize = DefaultBlockSize
+	}
+	if o.StaleAfter <= 0 {
+		o.StaleAfter = DefaultStaleAfter
+	}
+	if o.DefaultMaxBatchedTokens <= 0 {
+		o.DefaultMaxBatchedTokens = DefaultMaxBatchedTokens
+	}
+}
+
+// rankState is one data-parallel rank of an endpoint.
+type rankState struct {
+	slot   *slots.Slot
+	worker kvindex.WorkerID
+	// eventFed is set when the rank's KV events keep the index exact; it
+	// then gets no approximate inserts.
+	eventFed atomic.Bool
 }
 
 type snapshot struct {
@@ -107,8 +163,14 @@ type Engine struct {
 	rnd    *Rand
 	deps   Deps
 
-	snap atomic.Pointer[snapshot]
-	ids  atomic.Uint64
+	snap  atomic.Pointer[snapshot]
+	ids   atomic.Uint64
+	index *kvindex.Index
+	slots *slots.Tracker
+	queue *admission.Queue
+	bufs  sync.Pool // *scratch
+
+	expired atomic.Int64
 
 	// mu serialises Update (the writer side only).
 	mu sync.Mutex
@@ -119,18 +181,58 @@ var (
 	_ Scorer = (*Engine)(nil)
 )
 
-// NewEngine returns an engine with an empty endpoint set.
-func NewEngine(p Policy, opts Options, deps Deps) *Engine {
-	e := &Engine{policy: p, opts: opts, deps: deps, clk: clock.Or(deps.Clock), rnd: deps.Rand, log: deps.Logger}
+// NewEngine returns an engine with an empty endpoint set. It fails only on
+// invalid index or admission options. Close releases its timers.
+func NewEngine(p Policy, opts Options, deps Deps) (*Engine, error) {
+	opts.defaults()
+	e := &Engine{policy: p, opts: opts, deps: deps, clk: clock.Or(deps.Clock), rnd: deps.Rand, log: deps.Logger, slots: slots.New()}
 	if e.rnd == nil {
 		e.rnd = NewRand(0)
 	}
 	if e.log == nil {
 		e.log = slog.Default()
 	}
+	io := opts.Index
+	io.Clock = e.clk
+	ix, err := kvindex.New(io)
+	if err != nil {
+		return nil, err
+	}
+	e.index = ix
+	if opts.Admission.Enabled() {
+		q, err := admission.New(opts.Admission, e.clk, admission.SaturationFunc(e.saturated))
+		if err != nil {
+			ix.Close()
+			return nil, err
+		}
+		e.queue = q
+	}
+	e.bufs.New = func() any { return &scratch{} }
 	e.snap.Store(&snapshot{byKey: map[EndpointKey]*EndpointState{}, models: map[ModelName]struct{}{}})
+	return e, nil
+}
+
+// MustEngine is NewEngine for options known to be valid (tests, defaults).
+func MustEngine(p Policy, opts Options, deps Deps) *Engine {
+	e, err := NewEngine(p, opts, deps)
+	if err != nil {
+		panic(err)
+	}
 	return e
 }
+
+// Close stops the engine's timers (index expiry). Decisions still open keep
+// working; their stale-decision timers fire as usual.
+func (e *Engine) Close() { e.index.Close() }
+
+// Index returns the KV index (for KV-event ingestion and metrics).
+func (e *Engine) Index() *kvindex.Index { return e.index }
+
+// Queue returns the admission queue, or nil when it is off.
+func (e *Engine) Queue() *admission.Queue { return e.queue }
+
+// Expired returns how many decisions the stale-decision sweeper released.
+func (e *Engine) Expired() int64 { return e.expired.Load() }
 
 // Policy returns the engine's policy.
 func (e *Engine) Policy() Policy { return e.policy }
@@ -155,9 +257,18 @@ func (e *Engine) Update(set EndpointSet) error {
 	old := e.snap.Load()
 	next := &snapshot{set: set, byKey: make(map[EndpointKey]*EndpointState, len(set.Endpoints)), models: map[ModelName]struct{}{}}
 	for _, ep := range set.Endpoints {
-		st := &EndpointState{Endpoint: ep, Live: &Live{}}
-		if prev, ok := old.byKey[ep.Key]; ok {
+		st := &EndpointState{Endpoint: ep}
+		prev, had := old.byKey[ep.Key]
+		switch {
+		case had && len(prev.ranks) == max(ep.DataParallelSize, 1):
 			st.Live = prev.Live
+		case had:
+			// Its ranks changed: start its cache state afresh. In-flight
+			// decisions keep their own slot pointers.
+			e.index.RemoveEndpoint(string(ep.Key))
+			st.Live = e.newLive(ep)
+		default:
+			st.Live = e.newLive(ep)
 		}
 		next.states = append(next.states, st)
 		next.byKey[ep.Key] = st
@@ -172,6 +283,11 @@ func (e *Engine) Update(set EndpointSet) error {
 		}
 	}
 	e.snap.Store(next)
+	for k := range old.byKey {
+		if _, ok := next.byKey[k]; !ok {
+			e.index.RemoveEndpoint(string(k)) // purge a removed endpoint
+		}
+	}
 	e.log.Info("endpoint set published", "source", set.Source, "endpoints", len(set.Endpoints))
 	return nil
 }
@@ -182,9 +298,38 @@ func (e *Engine) Endpoints() []*EndpointState { return e.snap.Load().states }
 // Ready reports whether an endpoint set has been published.
 func (e *Engine) Ready() bool { return len(e.snap.Load().states) > 0 }
 
-// Pick implements [Picker].
-func (e *Engine) Pick(_ context.Context, req *Request) (*Decision, error) {
-	return e.decide(req, true)
+// Pick implements [Picker]. With the admission queue on, a request that
+// arrives while every endpoint is saturated waits here (Pick blocks only
+// then, never on I/O), up to the queue's maximum wait; it is rejected with
+// an error wrapping ErrOverloaded when it is sheddable, the queue is full
+// or the wait runs out, and with ctx's cause when ctx ends first.
+func (e *Engine) Pick(ctx context.Context, req *Request) (*Decision, error) {
+	if e.queue == nil {
+		return e.decide(req, true)
+	}
+	var d *Decision
+	var perr error
+	prio := 0
+	if req.Hints.HasPriority {
+		prio = req.Hints.Priority
+	}
+	err := e.queue.Admit(ctx, admission.Item{
+		Priority:  prio,
+		HeadStart: req.Hints.HeadStart(),
+		Cost:      float64(req.TokenCount),
+		Arrival:   req.Arrival,
+		OnAdmit:   func() { d, perr = e.decide(req, true) },
+	})
+	switch {
+	case err == nil:
+		return d, perr
+	case errors.Is(err, admission.ErrShed), errors.Is(err, admission.ErrQueueFull), errors.Is(err, admission.ErrWaitExceeded):
+		return nil, fmt.Errorf("%w: %w", ErrOverloaded, err)
+	}
+	if cause := context.Cause(ctx); cause != nil {
+		return nil, cause
+	}
+	return nil, err
 }
 
 // Score implements [Scorer].
@@ -228,15 +373,176 @@ func (s *snapshot) candidates(req *Request, passThrough bool) ([]*EndpointState,
 	return out, nil
 }
 
+// newLive makes the live state of a new endpoint: one slot and one index
+// worker per data-parallel rank.
+func (e *Engine) newLive(ep Endpoint) *Live {
+	n := max(ep.DataParallelSize, 1)
+	l := &Live{ranks: make([]*rankState, n)}
+	for r := range n {
+		rank := r
+		if n == 1 {
+			rank = -1
+		}
+		l.ranks[r] = &rankState{slot: &slots.Slot{}, worker: e.index.Worker(string(ep.Key), rank)}
+	}
+	return l
+}
+
+// SetLoad publishes a scraped load for the endpoint (called by the load
+// scraper, off the request path).
+func (l *Live) SetLoad(ld Load) { l.scraped.Store(&ld) }
+
+// load returns the endpoint's last scraped load (zero when none).
+func (l *Live) load() Load {
+	if p := l.scraped.Load(); p != nil {
+		return *p
+	}
+	return Load{}
+}
+
+// InFlightPrefill is the endpoint's prompt tokens still being prefilled,
+// over all ranks.
+func (l *Live) InFlightPrefill() int64 {
+	var n int64
+	for _, r := range l.ranks {
+		n += r.slot.PrefillTokens()
+	}
+	return n
+}
+
+// saturated reports whether every endpoint is saturated: its active prefill
+// tokens exceed Threshold × its prefill capacity, or its load data is stale.
+// When every endpoint's data is stale, load is unknown, not overloaded, and
+// only the prefill rule applies.
+func (e *Engine) saturated() bool {
+	states := e.snap.Load().states
+	if len(states) == 0 {
+		return false
+	}
+	allStale := true
+	for _, st := range states {
+		if !st.load().Stale {
+			allStale = false
+			break
+		}
+	}
+	for _, st := range states {
+		if st.load().Stale && !allStale {
+			continue
+		}
+		capacity := st.MaxBatchedTokens
+		if capacity <= 0 {
+			capacity = e.opts.DefaultMaxBatchedTokens
+		}
+		if float64(st.InFlightPrefill()) <= e.opts.Admission.Threshold*float64(capacity) {
+			return false
+		}
+	}
+	return true
+}
+
+// rank returns the candidate's rank state.
+func (c *Candidate) rank() *rankState {
+	if c.DPRank < 0 {
+		return c.State.ranks[0]
+	}
+	return c.State.ranks[c.DPRank]
+}
+
+// blockSize is the endpoint's KV block size.
+func (e *Engine) blockSize(ep *Endpoint) int {
+	if ep.BlockSize > 0 {
+		return ep.BlockSize
+	}
+	return e.opts.BlockSize
+}
+
+// scratch holds per-call buffers, pooled.
+type scratch struct {
+	index  []kvindex.Match
+	active []slots.Match
+}
+
+// keySpace is one block size's view of the request.
+type keySpace struct {
+	bs     int
+	keys   []uint64
+	index  []kvindex.Match
+	active []slots.Match
+}
+
 func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	snap := e.snap.Load()
 	eps, err := snap.candidates(req, e.opts.PassThroughUnknownModels)
 	if err != nil {
 		return nil, err
 	}
-	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: e.clk.Now(), Candidates: make([]Candidate, 0, len(eps))}
+	n := 0
 	for _, st := range eps {
-		sc.Candidates = append(sc.Candidates, Candidate{State: st, DPRank: -1})
+		n += len(st.ranks)
+	}
+	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: e.clk.Now(), Candidates: make([]Candidate, 0, n)}
+	sb := e.bufs.Get().(*scratch)
+	defer e.bufs.Put(sb)
+	seed := kvindex.Seed(req.LoRA, req.CacheSalt)
+	var spaces [2]keySpace // almost always one block size; more spill to heap
+	spaceList := spaces[:0]
+	space := func(bs int) *keySpace {
+		for i := range spaceList {
+			if spaceList[i].bs == bs {
+				return &spaceList[i]
+			}
+		}
+		ks := keySpace{bs: bs, keys: kvindex.AppendBlockKeys(nil, req.Tokens, bs, seed)}
+		if len(spaceList) == 0 {
+			ks.index = e.index.Overlaps(bs, ks.keys, sb.index[:0])
+			sb.index = ks.index
+			if !e.opts.DisableActiveBlocks {
+				ks.active = e.slots.ActivePrefix(ks.keys, sb.active[:0])
+				sb.active = ks.active
+			}
+		} else {
+			ks.index = e.index.Overlaps(bs, ks.keys, nil)
+			if !e.opts.DisableActiveBlocks {
+				ks.active = e.slots.ActivePrefix(ks.keys, nil)
+			}
+		}
+		spaceList = append(spaceList, ks)
+		return &spaceList[len(spaceList)-1]
+	}
+	spaceOf := make([]int8, 0, n)
+	for _, st := range eps {
+		ks := space(e.blockSize(&st.Endpoint))
+		for r, rs := range st.ranks {
+			c := Candidate{State: st, DPRank: -1, NewBlocks: len(ks.keys)}
+			if len(st.ranks) > 1 {
+				c.DPRank = r
+			}
+			for _, m := range ks.index {
+				if m.Worker == rs.worker {
+					c.Overlap = m.Blocks
+					break
+				}
+			}
+			if c.Overlap > 0 || len(ks.index) > 0 {
+				c.TreeSize = e.index.Size(rs.worker)
+			}
+			for _, m := range ks.active {
+				if m.Slot == rs.slot {
+					c.NewBlocks = len(ks.keys) - m.N
+					break
+				}
+			}
+			c.ActivePrefillTokens = rs.slot.PrefillTokens()
+			c.ActiveBlocks = rs.slot.Blocks()
+			c.Load = st.Live.load()
+			sc.Candidates = append(sc.Candidates, c)
+			spaceOf = append(spaceOf, int8(len(spaceList)-1))
+		}
+	}
+	if len(spaceList) > 0 {
+		sc.BlockSize = spaceList[0].bs
+		sc.Blocks = spaceList[0].keys
 	}
 	ch, err := e.policy.Choose(sc, commit)
 	if err != nil {
@@ -282,7 +588,31 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	d.live = st.Live
 	st.InFlight.Add(1)
 	st.Decisions.Add(1)
+	rs := c.rank()
+	ks := spaceList[spaceOf[ch.Index]]
+	if !e.opts.DisableActiveBlocks || sc.ISL > 0 {
+		keys := ks.keys
+		if e.opts.DisableActiveBlocks {
+			keys = nil
+		}
+		d.entry = e.slots.Add(rs.slot, keys, sc.ISL, c.Overlap, ks.bs)
+	}
+	if !rs.eventFed.Load() && len(ks.keys) > 0 {
+		// Approximate mode: assume the worker now caches the prompt.
+		_ = e.index.InsertApprox(rs.worker, ks.bs, ks.keys, sc.Now)
+	}
 	d.onEnd = e.end
+	d.onFirst = func() {
+		d.entry.Prefilled()
+		if e.queue != nil {
+			e.queue.Wake()
+		}
+	}
+	d.timer = e.clk.AfterFunc(e.opts.StaleAfter, func() {
+		if d.Done(NoUsage(OutcomeExpired)) {
+			e.expired.Add(1)
+		}
+	})
 	if e.deps.OnDecision != nil {
 		e.deps.OnDecision(req, d)
 	}
@@ -290,6 +620,13 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 }
 
 func (e *Engine) end(d *Decision, o Outcome) {
+	if d.timer != nil {
+		d.timer.Stop()
+	}
+	e.slots.Free(d.entry)
+	if e.queue != nil {
+		e.queue.Wake()
+	}
 	e.policy.Done(d, o)
 	if e.deps.OnDone != nil {
 		e.deps.OnDone(d, o)

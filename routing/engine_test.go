@@ -21,7 +21,7 @@ func newEngine(t *testing.T, name string, opts routing.Options, eps ...routing.E
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := routing.NewEngine(p, opts, routing.Deps{Rand: rnd})
+	e := routing.MustEngine(p, opts, routing.Deps{Rand: rnd})
 	if err := e.Update(routing.EndpointSet{Source: "test", Endpoints: eps}); err != nil {
 		t.Fatal(err)
 	}
@@ -186,7 +186,7 @@ func TestPassThroughUnknownModels(t *testing.T) {
 
 func TestNoEndpoints(t *testing.T) {
 	p, _ := policy.Builtin().New("round_robin", policy.Deps{})
-	e := routing.NewEngine(p, routing.Options{}, routing.Deps{})
+	e := routing.MustEngine(p, routing.Options{}, routing.Deps{})
 	if _, err := e.Pick(t.Context(), &routing.Request{}); !errors.Is(err, routing.ErrNoEndpoints) {
 		t.Fatalf("err = %v, want ErrNoEndpoints", err)
 	}

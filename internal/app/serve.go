@@ -211,7 +211,11 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	if aware, ok := pol.(routing.OutcomeAware); ok && aware.NeedsOutcomes() && !o.ResponseProcessing {
 		log.Warn("response processing is off: decisions end at pick time, so in-flight counts, rewards and TTFT are not observed; the policy works blind", "policy", pol.Name())
 	}
-	engine := routing.NewEngine(pol, routing.Options{Fallbacks: o.Fallbacks, PassThroughUnknownModels: fileCfg.PassThroughUnknownModels}, routing.Deps{Logger: log, Rand: rnd})
+	engine, err := routing.NewEngine(pol, routing.Options{Fallbacks: o.Fallbacks, PassThroughUnknownModels: fileCfg.PassThroughUnknownModels}, routing.Deps{Logger: log, Rand: rnd})
+	if err != nil {
+		return err
+	}
+	defer engine.Close()
 	if err := engine.Update(set); err != nil {
 		return err
 	}

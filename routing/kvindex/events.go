@@ -1,0 +1,213 @@
+package kvindex
+
+import "fmt"
+
+// EventKind says what a KV cache [Event] reports.
+type EventKind uint8
+
+// Event kinds, mirroring vLLM/SGLang's BlockStored, BlockRemoved and
+// AllBlocksCleared.
+const (
+	Stored EventKind = iota + 1
+	Removed
+	Cleared
+)
+
+func (k EventKind) String() string {
+	switch k {
+	case Stored:
+		return "stored"
+	case Removed:
+		return "removed"
+	case Cleared:
+		return "cleared"
+	}
+	return fmt.Sprintf("EventKind(%d)", uint8(k))
+}
+
+// StoredBlock is one block of a Stored event.
+type StoredBlock struct {
+	// EngineHash is the engine's id for the block. It is opaque: the index
+	// only uses it to find parents and removals.
+	EngineHash uint64
+	// Tokens are the block's token ids; there must be exactly BlockSize.
+	Tokens []uint32
+}
+
+// Event is a KV cache event of one worker, already decoded from the wire.
+// The index keeps no reference to its slices.
+type Event struct {
+	Kind EventKind
+	// BlockSize is the engine's tokens per block. Stored needs it; for
+	// Removed, 0 looks the hashes up under every block size.
+	BlockSize int
+	// HasParent says the first block of a Stored event continues the
+	// indexed block whose engine hash is Parent; otherwise it starts a
+	// sequence.
+	HasParent bool
+	Parent    uint64
+	// Blocks are the stored blocks, each the child of the one before.
+	Blocks []StoredBlock
+	// RemovedHashes are the engine hashes of a Removed event.
+	RemovedHashes []uint64
+	// LoRA and Namespace salt the block keys (see [Seed]).
+	LoRA, Namespace string
+}
+
+// Apply applies one KV event of worker w:
+//
+//   - Stored hashes each block's tokens (salted by LoRA and Namespace) and
+//     chains it from the parent's key, or from the root without a parent,
+//     exactly as [AppendBlockKeys] does for a request, then records the
+//     engine hash → key mapping. An unknown parent rejects the whole event
+//     with ErrUnknownParent; a block with a token count other than
+//     BlockSize rejects it with ErrBlockSize.
+//   - Removed drops w from the blocks of those engine hashes; hashes not
+//     indexed for w are counted and reported with ErrUnknownBlock after the
+//     others are applied.
+//   - Cleared drops every entry of w, approximate ones included; w stays
+//     registered.
+//
+// Events of one worker must be applied in the order the engine emitted
+// them, so feed each worker from one goroutine; events of different
+// workers may be applied concurrently. A Stored block that w already holds
+// as an approximate entry becomes event-fed and stops expiring.
+func (ix *Index) Apply(w WorkerID, ev Event) error {
+	wk := ix.worker(w)
+	if wk == nil {
+		return fmt.Errorf("%w: %d", ErrUnknownWorker, w)
+	}
+	wk.mu.Lock()
+	defer wk.mu.Unlock()
+	if wk.removed.Load() {
+		return fmt.Errorf("%w: %d (endpoint %s removed)", ErrUnknownWorker, w, wk.endpoint)
+	}
+	switch ev.Kind {
+	case Stored:
+		return ix.applyStored(wk, &ev)
+	case Removed:
+		return ix.applyRemoved(wk, &ev)
+	case Cleared:
+		ix.clear(wk)
+		return nil
+	}
+	ix.rejected.Add(1)
+	return fmt.Errorf("%w: kind %v", ErrInvalidEvent, ev.Kind)
+}
+
+func (ix *Index) applyStored(wk *worker, ev *Event) error {
+	if ev.BlockSize <= 0 {
+		ix.rejected.Add(1)
+		return fmt.Errorf("%w: stored event with block size %d", ErrBlockSize, ev.BlockSize)
+	}
+	for i, b := range ev.Blocks {
+		if len(b.Tokens) != ev.BlockSize {
+			ix.rejected.Add(1)
+			return fmt.Errorf("%w: block %d of %d has %d tokens, block size is %d",
+				ErrBlockSize, i, len(ev.Blocks), len(b.Tokens), ev.BlockSize)
+		}
+	}
+	if err := checkDistinct(ev); err != nil {
+		ix.rejected.Add(1)
+		return err
+	}
+	m := wk.engine[ev.BlockSize]
+	var key uint64
+	if ev.HasParent {
+		var ok bool
+		if key, ok = m[ev.Parent]; !ok {
+			ix.unknownParent.Add(1)
+			return fmt.Errorf("%w: worker %s rank %d, parent %d, block size %d",
+				ErrUnknownParent, wk.endpoint, wk.rank, ev.Parent, ev.BlockSize)
+		}
+	}
+	if len(ev.Blocks) == 0 {
+		return nil
+	}
+	if m == nil {
+		if wk.engine == nil {
+			wk.engine = make(map[int]map[uint64]uint64)
+		}
+		m = make(map[uint64]uint64, len(ev.Blocks))
+		wk.engine[ev.BlockSize] = m
+	}
+	sp := ix.spaceFor(ev.BlockSize)
+	seed := Seed(ev.LoRA, ev.Namespace)
+	chained := ev.HasParent
+	for _, b := range ev.Blocks {
+		local := hashTokens(b.Tokens, seed)
+		if chained {
+			key = ChainHash(key, local)
+		} else {
+			key, chained = local, true
+		}
+		if old, ok := m[b.EngineHash]; ok && old != key {
+			// The engine reused a hash for other content: the old block
+			// is gone from this worker.
+			ix.unhold(sp, wk, old, keepNone)
+		}
+		m[b.EngineHash] = key
+		ix.store(sp, wk, key)
+	}
+	return nil
+}
+
+// checkDistinct rejects a Stored event that names one engine hash twice
+// (or as its own parent): it cannot be a chain.
+func checkDistinct(ev *Event) error {
+	n := len(ev.Blocks)
+	dup := func(i int) error {
+		return fmt.Errorf("%w: engine hash %d repeats in a stored event", ErrInvalidEvent, ev.Blocks[i].EngineHash)
+	}
+	if n <= 64 {
+		for i := range n {
+			h := ev.Blocks[i].EngineHash
+			if ev.HasParent && h == ev.Parent {
+				return dup(i)
+			}
+			for j := range i {
+				if ev.Blocks[j].EngineHash == h {
+					return dup(i)
+				}
+			}
+		}
+		return nil
+	}
+	seen := make(map[uint64]struct{}, n+1)
+	if ev.HasParent {
+		seen[ev.Parent] = struct{}{}
+	}
+	for i, b := range ev.Blocks {
+		if _, ok := seen[b.EngineHash]; ok {
+			return dup(i)
+		}
+		seen[b.EngineHash] = struct{}{}
+	}
+	return nil
+}
+
+func (ix *Index) applyRemoved(wk *worker, ev *Event) error {
+	unknown := 0
+	for _, h := range ev.RemovedHashes {
+		found := false
+		for bs, m := range wk.engine {
+			if ev.BlockSize > 0 && bs != ev.BlockSize {
+				continue
+			}
+			if k, ok := m[h]; ok {
+				delete(m, h)
+				ix.unhold(ix.space(bs), wk, k, keepNone)
+				found = true
+			}
+		}
+		if !found {
+			unknown++
+		}
+	}
+	if unknown > 0 {
+		ix.unknownRemoved.Add(uint64(unknown))
+		return fmt.Errorf("%w: %d of %d removed hashes of worker %s rank %d",
+			ErrUnknownBlock, unknown, len(ev.RemovedHashes), wk.endpoint, wk.rank)
+	}
+	return nil
+}
