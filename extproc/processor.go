@@ -53,6 +53,9 @@ const (
 // loop goroutine only.
 type processor struct {
 	s *Server
+	// pickCtx bounds waiting in the engine's admission queue; its cause says
+	// why it ended (decision timeout, shutdown).
+	pickCtx context.Context
 
 	phase    phase
 	reqMode  filterv3.ProcessingMode_BodySendMode
@@ -329,7 +332,11 @@ func (p *processor) decide(ctx context.Context) error {
 		m.phaseTokenize.Observe(t2.Sub(t1).Seconds())
 		t1 = t2
 	}
-	d, err := p.s.picker.Pick(ctx, &req)
+	pctx := p.pickCtx
+	if pctx == nil {
+		pctx = ctx
+	}
+	d, err := p.s.picker.Pick(pctx, &req)
 	t3 := p.s.clk.Now()
 	m.phasePick.Observe(t3.Sub(t1).Seconds())
 	if err != nil {

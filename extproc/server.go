@@ -187,6 +187,12 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 		return s.send(stream, []*extprocv3.ProcessingResponse{Reject(refuse).immediate()})
 	}
 
+	// Pick may wait in the admission queue while the receive loop holds the
+	// stream's lock; the control paths below cancel this context (with the
+	// reason as its cause) before they take the lock.
+	pickCtx, cancelPick := context.WithCancelCause(ctx)
+	defer cancelPick(nil)
+	p.pickCtx = pickCtx
 	r := &run{s: s, stream: stream, p: p, finished: make(chan struct{})}
 	// The receive loop handles each message as it arrives (no hand-off
 	// between goroutines on the hot path). It ends on a Recv error or when
@@ -201,6 +207,7 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			return r.result
 		case <-timeout:
 			timeout = nil
+			cancelPick(ErrDecisionTimeout)
 			if err, ok := r.control(func() (error, bool) {
 				if p.decided() {
 					return nil, false
@@ -211,6 +218,7 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			}
 		case <-drain:
 			drain = nil
+			cancelPick(ErrShuttingDown)
 			// A stream still waiting for its decision is answered 503. A
 			// decided stream runs to its end: in FULL_DUPLEX_STREAMED mode
 			// Envoy drops the chunks it has sent but the server has not
