@@ -94,6 +94,9 @@ type Decision struct {
 	Scores []Score
 	// At is when the decision was made.
 	At time.Time
+	// Sticky is set when the policy kept the request on its session's
+	// previous endpoint.
+	Sticky bool
 
 	// state is the policy's private per-decision state (Choice.State).
 	state     any

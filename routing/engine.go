@@ -64,6 +64,9 @@ type Choice struct {
 	Scores []float64
 	// State is kept in the Decision and handed back to the policy's Done.
 	State any
+	// Sticky is set when the request stayed on its session's previous
+	// endpoint (prefix affinity), for metrics and the decision log.
+	Sticky bool
 }
 
 // Policy chooses among eligible candidates. Implementations are safe for
@@ -559,6 +562,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		DPRank:   c.DPRank,
 		Overlap:  c.Overlap,
 		At:       sc.Now,
+		Sticky:   ch.Sticky,
 		state:    ch.State,
 	}
 	if ch.Scores != nil {

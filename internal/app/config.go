@@ -3,14 +3,20 @@ package app
 import (
 	"fmt"
 	"os"
+	"time"
 
 	"sigs.k8s.io/yaml"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/admission"
+	"github.com/kvbandit/kvbandit/routing/kvindex"
+	"github.com/kvbandit/kvbandit/routing/policy"
+	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
-// FileConfig is the YAML file given with --config. Unknown fields are
-// refused so that a typo is an error, not a silently ignored setting.
+// FileConfig is the YAML file given with --config. It is decoded on top of
+// the defaults, and unknown fields are refused, so a typo is an error and
+// not a silently ignored setting.
 type FileConfig struct {
 	// Endpoints is a static endpoint list with metadata (models, block
 	// size, ...). It is an alternative to --endpoints.
@@ -18,6 +24,63 @@ type FileConfig struct {
 	// PassThroughUnknownModels routes requests for a model that no endpoint
 	// declares to any endpoint, instead of answering 404 model_not_found.
 	PassThroughUnknownModels bool `json:"pass_through_unknown_models,omitempty"`
+	// Router holds Dynamo-compatible router settings; --router-* flags
+	// override them.
+	Router RouterConfig `json:"router"`
+	// Policies: the kv, kvbandit and thompson parameters (the thompson keys
+	// follow the reference router's config.yaml: affinity.*,
+	// switching_cost.*, load_balancing.*, lints.*, exploration.*,
+	// feedback.*, prefill.*).
+	policy.Config `json:",inline"`
+	// PrefixState bounds the per-(tenant, prefix id) state of the
+	// hint-aware policies.
+	PrefixState PrefixStateConfig `json:"prefix_state"`
+	// DecisionLog writes one record per decision (off when path is empty).
+	DecisionLog DecisionLogConfig `json:"decision_log"`
+}
+
+// RouterConfig mirrors Dynamo's --router-* flags.
+type RouterConfig struct {
+	BlockSize            int     `json:"block_size"`
+	KVOverlapScoreWeight float64 `json:"kv_overlap_score_weight"`
+	Temperature          float64 `json:"temperature"`
+	KVEvents             bool    `json:"kv_events"`
+	TTLSecs              float64 `json:"ttl_secs"`
+	MaxTreeSize          int     `json:"max_tree_size"`
+	PruneTargetRatio     float64 `json:"prune_target_ratio"`
+	QueueThreshold       float64 `json:"queue_threshold"`
+	QueuePolicy          string  `json:"queue_policy"`
+	QueueMaxWaitSecs     float64 `json:"queue_max_wait_secs"`
+	TrackActiveBlocks    bool    `json:"track_active_blocks"`
+	// StaleRequestSecs releases decisions whose outcome never came.
+	StaleRequestSecs float64 `json:"stale_request_secs"`
+}
+
+// PrefixStateConfig bounds the prefix state.
+type PrefixStateConfig struct {
+	TTLSecs    float64 `json:"ttl_secs"`
+	MaxEntries int     `json:"max_entries"`
+}
+
+// DecisionLogConfig configures the decision log.
+type DecisionLogConfig struct {
+	Path     string `json:"path"`
+	Format   string `json:"format"`
+	MaxBytes int64  `json:"max_bytes"`
+}
+
+// DefaultFileConfig is what an absent config file means.
+func DefaultFileConfig() FileConfig {
+	return FileConfig{
+		Router: RouterConfig{
+			BlockSize: routing.DefaultBlockSize, KVOverlapScoreWeight: 1, KVEvents: true, TTLSecs: 120,
+			MaxTreeSize: 1 << 20, PruneTargetRatio: 0.8, QueuePolicy: string(admission.PolicyFCFS), QueueMaxWaitSecs: 10,
+			TrackActiveBlocks: true, StaleRequestSecs: 300,
+		},
+		Config:      policy.DefaultConfig(),
+		PrefixState: PrefixStateConfig{TTLSecs: prefixstate.DefaultTTL.Seconds(), MaxEntries: prefixstate.DefaultMaxEntries},
+		DecisionLog: DecisionLogConfig{Format: "csv"},
+	}
 }
 
 // LoadConfig reads, strictly decodes and validates a config file.
@@ -29,17 +92,81 @@ func LoadConfig(path string) (*FileConfig, error) {
 	return ParseConfig(raw)
 }
 
-// ParseConfig strictly decodes and validates config YAML.
+// ParseConfig strictly decodes config YAML over the defaults and validates
+// it.
 func ParseConfig(raw []byte) (*FileConfig, error) {
-	var c FileConfig
+	c := DefaultFileConfig()
 	if err := yaml.UnmarshalStrict(raw, &c); err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
+	if err := c.Validate(); err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	return &c, nil
+}
+
+// Validate checks every section, naming the bad field.
+func (c *FileConfig) Validate() error {
 	if len(c.Endpoints) > 0 {
 		set := routing.EndpointSet{Source: "config", Endpoints: c.Endpoints}
 		if err := set.Validate(); err != nil {
-			return nil, fmt.Errorf("config: endpoints: %w", err)
+			return fmt.Errorf("endpoints: %w", err)
 		}
 	}
-	return &c, nil
+	r := c.Router
+	switch {
+	case r.BlockSize <= 0:
+		return fmt.Errorf("router.block_size: must be > 0, got %d", r.BlockSize)
+	case !(r.KVOverlapScoreWeight >= 0):
+		return fmt.Errorf("router.kv_overlap_score_weight: must be >= 0, got %v", r.KVOverlapScoreWeight)
+	case !(r.Temperature >= 0):
+		return fmt.Errorf("router.temperature: must be >= 0, got %v", r.Temperature)
+	case !(r.TTLSecs > 0):
+		return fmt.Errorf("router.ttl_secs: must be > 0, got %v", r.TTLSecs)
+	case r.MaxTreeSize <= 0:
+		return fmt.Errorf("router.max_tree_size: must be > 0, got %d", r.MaxTreeSize)
+	case !(r.PruneTargetRatio > 0 && r.PruneTargetRatio <= 1):
+		return fmt.Errorf("router.prune_target_ratio: must be in (0, 1], got %v", r.PruneTargetRatio)
+	case !(r.QueueThreshold >= 0):
+		return fmt.Errorf("router.queue_threshold: must be >= 0, got %v", r.QueueThreshold)
+	case r.QueuePolicy != string(admission.PolicyFCFS) && r.QueuePolicy != string(admission.PolicyWSPT):
+		return fmt.Errorf("router.queue_policy: want fcfs or wspt, got %q", r.QueuePolicy)
+	case !(r.QueueMaxWaitSecs > 0):
+		return fmt.Errorf("router.queue_max_wait_secs: must be > 0, got %v", r.QueueMaxWaitSecs)
+	case !(r.StaleRequestSecs > 0):
+		return fmt.Errorf("router.stale_request_secs: must be > 0, got %v", r.StaleRequestSecs)
+	case !(c.PrefixState.TTLSecs > 0):
+		return fmt.Errorf("prefix_state.ttl_secs: must be > 0, got %v", c.PrefixState.TTLSecs)
+	case c.PrefixState.MaxEntries <= 0:
+		return fmt.Errorf("prefix_state.max_entries: must be > 0, got %d", c.PrefixState.MaxEntries)
+	case c.DecisionLog.Format != "csv" && c.DecisionLog.Format != "jsonl":
+		return fmt.Errorf("decision_log.format: want csv or jsonl, got %q", c.DecisionLog.Format)
+	case c.DecisionLog.MaxBytes < 0:
+		return fmt.Errorf("decision_log.max_bytes: must be >= 0")
+	}
+	return c.Config.Validate()
+}
+
+func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+
+// engineOptions turns the file's router section into engine options.
+func (c *FileConfig) engineOptions(fallbacks int) routing.Options {
+	r := c.Router
+	return routing.Options{
+		Fallbacks:                fallbacks,
+		PassThroughUnknownModels: c.PassThroughUnknownModels,
+		BlockSize:                r.BlockSize,
+		DisableActiveBlocks:      !r.TrackActiveBlocks,
+		StaleAfter:               secs(r.StaleRequestSecs),
+		Index: kvindex.Options{
+			TTL:              secs(r.TTLSecs),
+			MaxEntries:       r.MaxTreeSize,
+			PruneTargetRatio: r.PruneTargetRatio,
+		},
+		Admission: admission.Config{
+			Threshold: r.QueueThreshold,
+			Policy:    admission.Policy(r.QueuePolicy),
+			MaxWait:   secs(r.QueueMaxWaitSecs),
+		},
+	}
 }

@@ -55,6 +55,16 @@ type ServeOptions struct {
 	ResponseProcessing bool
 	LogLevel           string
 	LogFormat          string
+
+	// Router flags (Dynamo's names); they override the config file's
+	// router section when given.
+	Router            RouterConfig
+	NoRouterKVEvents  bool
+	NoTrackActive     bool
+	DecisionLogPath   string
+	DecisionLogFormat string
+	// set records which flags were given explicitly.
+	set map[string]bool
 }
 
 // AddFlags registers the options on fs with their defaults.
@@ -75,6 +85,22 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.StopGrace, "stop-grace", 5*time.Second, "after the drain deadline: how long streams that already have a decision may keep streaming their response before they are cut")
 	fs.StringVar(&o.TenantHeader, "tenant-header", "", "request header, set by the gateway, that scopes prefix state per tenant")
 	fs.BoolVar(&o.ResponseProcessing, "response-processing", true, "keep the ext_proc stream for the response (outcomes, TTFT, load accounting); false closes it after the request phase")
+	d := DefaultFileConfig().Router
+	fs.IntVar(&o.Router.BlockSize, "router-block-size", d.BlockSize, "KV block size in tokens (an endpoint's own block size overrides it)")
+	fs.Float64Var(&o.Router.KVOverlapScoreWeight, "router-kv-overlap-score-weight", d.KVOverlapScoreWeight, "weight of prefill work against decode blocks in the kv cost (kv and kvbandit)")
+	fs.Float64Var(&o.Router.Temperature, "router-temperature", d.Temperature, "kv policy: 0 picks the lowest cost, > 0 samples a softmax over normalised costs")
+	fs.BoolVar(&o.Router.KVEvents, "router-kv-events", d.KVEvents, "use workers' KV events where they are configured (endpoints without events stay approximate)")
+	fs.BoolVar(&o.NoRouterKVEvents, "no-router-kv-events", false, "approximate index only: ignore KV events")
+	fs.Float64Var(&o.Router.TTLSecs, "router-ttl-secs", d.TTLSecs, "approximate index: seconds a routed prefix is assumed cached")
+	fs.IntVar(&o.Router.MaxTreeSize, "router-max-tree-size", d.MaxTreeSize, "approximate index: entries before pruning")
+	fs.Float64Var(&o.Router.PruneTargetRatio, "router-prune-target-ratio", d.PruneTargetRatio, "approximate index: fraction of the cap kept when pruning")
+	fs.Float64Var(&o.Router.QueueThreshold, "router-queue-threshold", d.QueueThreshold, "admission queue: hold requests while every endpoint's active prefill tokens exceed this × its max_num_batched_tokens (0 = off)")
+	fs.StringVar(&o.Router.QueuePolicy, "router-queue-policy", d.QueuePolicy, "admission queue order: fcfs | wspt")
+	fs.Float64Var(&o.Router.QueueMaxWaitSecs, "router-queue-max-wait", d.QueueMaxWaitSecs, "admission queue: seconds a request may wait before 429")
+	fs.BoolVar(&o.Router.TrackActiveBlocks, "router-track-active-blocks", d.TrackActiveBlocks, "count KV blocks held by in-flight requests in the cost")
+	fs.BoolVar(&o.NoTrackActive, "no-router-track-active-blocks", false, "do not count in-flight blocks")
+	fs.StringVar(&o.DecisionLogPath, "decision-log", "", "write one record per decision to this file (off when empty)")
+	fs.StringVar(&o.DecisionLogFormat, "decision-log-format", "csv", "decision log format: csv | jsonl")
 	fs.StringVar(&o.LogLevel, "log-level", "info", "debug | info | warn | error")
 	fs.StringVar(&o.LogFormat, "log-format", "text", "text | json")
 }
@@ -158,10 +184,72 @@ func runServe(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("%w: unexpected arguments %q", ErrUsage, fs.Args())
 	}
+	o.set = map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { o.set[f.Name] = true })
 	if err := o.Validate(); err != nil {
 		return err
 	}
 	return Serve(ctx, o, newLogger(stderr, o.LogLevel, o.LogFormat), nil)
+}
+
+// applyFlags lets explicitly given flags override the config file, then
+// validates the result.
+func (o *ServeOptions) applyFlags(c *FileConfig) error {
+	r, set := &c.Router, o.set
+	if set["router-block-size"] {
+		r.BlockSize = o.Router.BlockSize
+	}
+	if set["router-kv-overlap-score-weight"] {
+		r.KVOverlapScoreWeight = o.Router.KVOverlapScoreWeight
+	}
+	if set["router-temperature"] {
+		r.Temperature = o.Router.Temperature
+	}
+	if set["router-kv-events"] {
+		r.KVEvents = o.Router.KVEvents
+	}
+	if o.NoRouterKVEvents {
+		r.KVEvents = false
+	}
+	if set["router-ttl-secs"] {
+		r.TTLSecs = o.Router.TTLSecs
+	}
+	if set["router-max-tree-size"] {
+		r.MaxTreeSize = o.Router.MaxTreeSize
+	}
+	if set["router-prune-target-ratio"] {
+		r.PruneTargetRatio = o.Router.PruneTargetRatio
+	}
+	if set["router-queue-threshold"] {
+		r.QueueThreshold = o.Router.QueueThreshold
+	}
+	if set["router-queue-policy"] {
+		r.QueuePolicy = o.Router.QueuePolicy
+	}
+	if set["router-queue-max-wait"] {
+		r.QueueMaxWaitSecs = o.Router.QueueMaxWaitSecs
+	}
+	if set["router-track-active-blocks"] {
+		r.TrackActiveBlocks = o.Router.TrackActiveBlocks
+	}
+	if o.NoTrackActive {
+		r.TrackActiveBlocks = false
+	}
+	if set["decision-log"] {
+		c.DecisionLog.Path = o.DecisionLogPath
+	}
+	if set["decision-log-format"] {
+		c.DecisionLog.Format = o.DecisionLogFormat
+	}
+	// The Dynamo-named knobs also parameterise the policies.
+	if set["router-kv-overlap-score-weight"] || c.Router.KVOverlapScoreWeight != 1 {
+		c.KV.OverlapScoreWeight = r.KVOverlapScoreWeight
+		c.KVBandit.OverlapScoreWeight = r.KVOverlapScoreWeight
+	}
+	if set["router-temperature"] || r.Temperature != 0 {
+		c.KV.Temperature = r.Temperature
+	}
+	return c.Validate()
 }
 
 // Listeners lets a caller (tests, demo) pass listeners it already bound;
@@ -180,15 +268,21 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	if ls == nil {
 		ls = &Listeners{}
 	}
-	var fileCfg FileConfig
+	fileCfg := DefaultFileConfig()
 	if o.ConfigPath != "" {
 		c, err := LoadConfig(o.ConfigPath)
 		if err != nil {
-			return err
+			return fmt.Errorf("%w: %w", ErrUsage, err)
 		}
 		fileCfg = *c
 	}
+	if err := o.applyFlags(&fileCfg); err != nil {
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
 	set := routing.EndpointSet{Source: "config", Endpoints: fileCfg.Endpoints}
+	if !fileCfg.Router.KVEvents {
+		log.Debug("KV events off: every endpoint uses the approximate index")
+	}
 	if o.Endpoints != "" {
 		if len(fileCfg.Endpoints) > 0 {
 			return fmt.Errorf("%w: give endpoints in --endpoints or in the config file, not both", ErrUsage)
@@ -203,23 +297,18 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 
-	rnd := routing.NewRand(o.Seed)
-	pol, err := policy.Builtin().New(o.Policy, policy.Deps{Logger: log, Rand: rnd})
+	parts, err := buildEngine(o, &fileCfg, log, reg, nil)
 	if err != nil {
-		return fmt.Errorf("%w: --policy: %w", ErrUsage, err)
+		return err
 	}
+	defer parts.close()
+	engine, pol := parts.engine, parts.policy
 	if aware, ok := pol.(routing.OutcomeAware); ok && aware.NeedsOutcomes() && !o.ResponseProcessing {
 		log.Warn("response processing is off: decisions end at pick time, so in-flight counts, rewards and TTFT are not observed; the policy works blind", "policy", pol.Name())
 	}
-	engine, err := routing.NewEngine(pol, routing.Options{Fallbacks: o.Fallbacks, PassThroughUnknownModels: fileCfg.PassThroughUnknownModels}, routing.Deps{Logger: log, Rand: rnd})
-	if err != nil {
-		return err
-	}
-	defer engine.Close()
 	if err := engine.Update(set); err != nil {
 		return err
 	}
-	reg.MustRegister(routing.NewCollector(engine))
 
 	ep := extproc.NewServer(extproc.Config{
 		MaxBodyBytes:       o.MaxBodyBytes,

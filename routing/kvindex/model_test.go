@@ -16,7 +16,7 @@ import (
 // model is a naive event-fed index: the specification the Index is checked
 // against.
 type model struct {
-	engine map[WorkerID]map[int]map[uint64]uint64       // worker → block size → engine hash → key
+	engine map[WorkerID]map[int]map[uint64]uint64   // worker → block size → engine hash → key
 	holds  map[int]map[uint64]map[WorkerID]struct{} // block size → key → workers
 }
 
@@ -171,57 +171,123 @@ func (r *opReader) next(n int) int {
 
 func (r *opReader) more() bool { return len(r.b) > 0 }
 
-// randomEvent builds an event for w from r. Tokens come from a 3-letter
-// alphabet and engine hashes from a small range, so workers share blocks,
-// parents are usually known and hashes get reused.
-func randomEvent(r *opReader) Event {
-	bss := []int{1, 2, 3}
+// eventGen builds events from fuzz bytes. Tokens come from a 2-letter
+// alphabet so workers and requests meet on the same blocks; parents and
+// removals mostly name hashes it stored before, sometimes unknown ones, and
+// stored hashes are sometimes reused.
+type eventGen struct {
+	r      *opReader
+	hashes map[int][]uint64 // by block size
+	roots  []root           // accepted Stored events without a parent
+	next   uint64
+}
+
+type root struct {
+	bs     int
+	seed   uint64
+	tokens []uint32
+}
+
+func (g *eventGen) known(bs int) uint64 {
+	hs := g.hashes[bs]
+	if len(hs) == 0 || g.r.next(10) == 0 {
+		return 1<<40 + uint64(g.r.next(4))
+	}
+	return hs[len(hs)-1-g.r.next(min(len(hs), 16))]
+}
+
+func (g *eventGen) fresh() uint64 {
+	g.next++
+	return g.next
+}
+
+// record remembers the hashes of a Stored event the index accepted.
+func (g *eventGen) record(ev Event) {
+	var toks []uint32
+	for _, b := range ev.Blocks {
+		g.hashes[ev.BlockSize] = append(g.hashes[ev.BlockSize], b.EngineHash)
+		toks = append(toks, b.Tokens...)
+	}
+	if !ev.HasParent && len(toks) > 0 {
+		g.roots = append(g.roots, root{ev.BlockSize, Seed(ev.LoRA, ev.Namespace), toks})
+	}
+}
+
+// blockSize is mostly 2, so that events and requests meet.
+func (g *eventGen) blockSize() int {
+	if g.r.next(6) == 0 {
+		return 1 + 2*g.r.next(2)
+	}
+	return 2
+}
+
+func (g *eventGen) tokens(n int) []uint32 {
+	toks := make([]uint32, n)
+	for i := range toks {
+		toks[i] = uint32(g.r.next(2))
+	}
+	return toks
+}
+
+func (g *eventGen) event() Event {
+	r := g.r
+	if g.hashes == nil {
+		g.hashes = map[int][]uint64{}
+	}
 	switch r.next(8) {
 	case 0, 1, 2, 3:
-		ev := Event{Kind: Stored, BlockSize: bss[r.next(len(bss))]}
-		if r.next(3) > 0 {
-			ev.HasParent, ev.Parent = true, uint64(r.next(12))
+		ev := Event{Kind: Stored, BlockSize: g.blockSize()}
+		if r.next(4) > 0 {
+			ev.HasParent, ev.Parent = true, g.known(ev.BlockSize)
 		}
 		if r.next(8) == 0 {
 			ev.LoRA = "l"
 		}
 		for range r.next(5) {
 			n := ev.BlockSize
-			if r.next(20) == 0 {
+			if r.next(30) == 0 {
 				n++ // a malformed block
 			}
-			toks := make([]uint32, n)
-			for i := range toks {
-				toks[i] = uint32(r.next(3))
+			h := g.known(ev.BlockSize)
+			if r.next(12) != 0 {
+				g.next++
+				h = g.next
 			}
-			ev.Blocks = append(ev.Blocks, StoredBlock{EngineHash: uint64(r.next(12)), Tokens: toks})
+			ev.Blocks = append(ev.Blocks, StoredBlock{EngineHash: h, Tokens: g.tokens(n)})
 		}
 		return ev
 	case 4, 5:
-		ev := Event{Kind: Removed}
-		if r.next(2) == 0 {
-			ev.BlockSize = bss[r.next(len(bss))]
-		}
+		ev := Event{Kind: Removed, BlockSize: g.blockSize()}
 		for range 1 + r.next(3) {
-			ev.RemovedHashes = append(ev.RemovedHashes, uint64(r.next(12)))
+			ev.RemovedHashes = append(ev.RemovedHashes, g.known(ev.BlockSize))
+		}
+		if r.next(2) == 0 {
+			ev.BlockSize = 0 // any block size
 		}
 		return ev
 	case 6:
-		return Event{Kind: Cleared}
+		if r.next(3) == 0 {
+			return Event{Kind: Cleared}
+		}
+		return Event{Kind: EventKind(r.next(5) + 3)}
 	}
-	return Event{Kind: EventKind(r.next(5) + 3)}
+	return Event{Kind: Stored, BlockSize: 2, HasParent: true, Parent: g.known(2),
+		Blocks: []StoredBlock{{EngineHash: g.fresh(), Tokens: g.tokens(2)}}}
 }
 
-// randomRequest builds request keys from the same alphabet, so they meet
-// stored prefixes.
-func randomRequest(r *opReader) (int, []uint64) {
-	bs := 1 + r.next(3)
-	toks := make([]uint32, r.next(7)*bs)
-	for i := range toks {
-		toks[i] = uint32(r.next(3))
+// request builds request keys: mostly a stored root sequence, cut or
+// extended, otherwise tokens from the same alphabet.
+func (g *eventGen) request() (int, []uint64) {
+	if n := len(g.roots); n > 0 && g.r.next(3) > 0 {
+		rt := g.roots[n-1-g.r.next(min(n, 8))]
+		toks := slices.Clone(rt.tokens[:g.r.next(len(rt.tokens)+1)])
+		toks = append(toks, g.tokens(g.r.next(3)*rt.bs)...)
+		return rt.bs, AppendBlockKeys(nil, toks, rt.bs, rt.seed)
 	}
+	bs := g.blockSize()
+	toks := g.tokens(g.r.next(7) * bs)
 	seed := BaseSeed
-	if r.next(8) == 0 {
+	if g.r.next(8) == 0 {
 		seed = Seed("l", "")
 	}
 	return bs, AppendBlockKeys(nil, toks, bs, seed)
@@ -234,13 +300,14 @@ func runModel(t *testing.T, data []byte) {
 	ix, _ := newTestIndex(t, Options{})
 	m := newModel()
 	r := &opReader{b: data}
+	g := &eventGen{r: r}
 	names := []string{"a", "b", "c", "d"}
 	ids := make([]WorkerID, len(names))
 	for i, n := range names {
 		ids[i] = ix.Worker(n, 0)
 	}
 	check := func(step int) {
-		bs, keys := randomRequest(r)
+		bs, keys := g.request()
 		got := map[WorkerID]int{}
 		for _, mt := range ix.Overlaps(bs, keys, nil) {
 			if mt.Blocks < 1 || mt.Blocks > len(keys) {
@@ -282,11 +349,14 @@ func runModel(t *testing.T, data []byte) {
 				ids[i] = ix.Worker(names[i], 0)
 			}
 		default:
-			ev := randomEvent(r)
+			ev := g.event()
 			want := m.apply(ids[i], ev)
 			got := ix.Apply(ids[i], ev)
 			if !errors.Is(got, want) || (want == nil) != (got == nil) {
 				t.Fatalf("step %d: Apply(%+v) = %v, model %v", step, ev, got, want)
+			}
+			if got == nil && ev.Kind == Stored {
+				g.record(ev)
 			}
 		}
 	}

@@ -12,9 +12,13 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/policy/kv"
+	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
 	"github.com/kvbandit/kvbandit/routing/policy/leastloaded"
 	"github.com/kvbandit/kvbandit/routing/policy/random"
 	"github.com/kvbandit/kvbandit/routing/policy/roundrobin"
+	"github.com/kvbandit/kvbandit/routing/policy/thompson"
+	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
 // Deps are what a policy may depend on.
@@ -22,6 +26,32 @@ type Deps struct {
 	Logger *slog.Logger
 	Clock  clock.Clock
 	Rand   *routing.Rand
+	// Config holds every policy's parameters (zero value: DefaultConfig).
+	Config *Config
+	// Prefixes is the prefix state shared by the hint-aware policies; nil
+	// gives each such policy a private store.
+	Prefixes *prefixstate.Store
+	// OnReward, if set, observes every reward a learning policy applies.
+	OnReward func(float64)
+}
+
+// Config holds the parameters of every policy, under the YAML keys of the
+// config file.
+type Config struct {
+	KV       kv.Config       `json:"kv"`
+	KVBandit kvbandit.Config `json:"kvbandit"`
+	Thompson thompson.Config `json:"thompson"`
+}
+
+// DefaultConfig returns every policy's defaults.
+func DefaultConfig() Config {
+	return Config{KV: kv.DefaultConfig(), KVBandit: kvbandit.DefaultConfig(), Thompson: thompson.DefaultConfig()}
+}
+
+// Validate checks every policy's parameters (so that a bad value is refused
+// at start-up even for a policy not selected now).
+func (c *Config) Validate() error {
+	return errors.Join(c.KV.Validate(), c.KVBandit.Validate(), c.Thompson.Validate())
 }
 
 // Factory builds a policy.
@@ -60,6 +90,10 @@ func (r *Registry) New(name string, deps Deps) (routing.Policy, error) {
 	if deps.Logger == nil {
 		deps.Logger = slog.Default()
 	}
+	if deps.Config == nil {
+		c := DefaultConfig()
+		deps.Config = &c
+	}
 	return f(deps)
 }
 
@@ -74,7 +108,7 @@ func (r *Registry) Names() []string {
 }
 
 // Default is the name of the default policy.
-const Default = roundrobin.Name
+const Default = kvbandit.Name
 
 // Builtin returns a registry holding every built-in policy.
 func Builtin() *Registry {
@@ -87,5 +121,20 @@ func Builtin() *Registry {
 	must(r.Register(roundrobin.Name, func(Deps) (routing.Policy, error) { return roundrobin.New(), nil }))
 	must(r.Register(leastloaded.Name, func(d Deps) (routing.Policy, error) { return leastloaded.New(d.Rand), nil }))
 	must(r.Register(random.Name, func(d Deps) (routing.Policy, error) { return random.New(d.Rand), nil }))
+	must(r.Register(kv.Name, func(d Deps) (routing.Policy, error) { return kv.New(d.Config.KV) }))
+	must(r.Register(kvbandit.Name, func(d Deps) (routing.Policy, error) {
+		var px kvbandit.Prefixes
+		if d.Prefixes != nil {
+			px = kvbandit.FromStore(d.Prefixes, d.Clock)
+		}
+		return kvbandit.New(d.Config.KVBandit, px)
+	}))
+	must(r.Register(thompson.Name, func(d Deps) (routing.Policy, error) {
+		td := thompson.Deps{Clock: d.Clock, Rand: d.Rand, Prefix: d.Prefixes, Logger: d.Logger}
+		if d.OnReward != nil {
+			td.OnReward = func(r thompson.Reward) { d.OnReward(r.Value) }
+		}
+		return thompson.New(d.Config.Thompson, td)
+	}))
 	return r
 }

@@ -77,11 +77,11 @@ type AffinityConfig struct {
 	Weight float64 `json:"weight"`
 	// OutstandingWeight (β) scales pinned sessions' announced work.
 	OutstandingWeight float64 `json:"outstanding_weight"`
-	// DecayLow, DecayMedium and DecayHigh are the affinity decay times for
-	// the inter-arrival hint levels.
-	DecayLow    time.Duration `json:"decay_low"`
-	DecayMedium time.Duration `json:"decay_medium"`
-	DecayHigh   time.Duration `json:"decay_high"`
+	// DecayLowSeconds, DecayMediumSeconds and DecayHighSeconds are the
+	// affinity decay times for the inter-arrival hint levels.
+	DecayLowSeconds    float64 `json:"decay_low_seconds"`
+	DecayMediumSeconds float64 `json:"decay_medium_seconds"`
+	DecayHighSeconds   float64 `json:"decay_high_seconds"`
 }
 
 // DefaultConfig returns the defaults.
@@ -89,7 +89,7 @@ func DefaultConfig() Config {
 	return Config{
 		OverlapScoreWeight: 1,
 		Speed:              SpeedConfig{PriorSigma: 0.3, ObsSigma: 0.35, Forget: 0.97, PrefillRatio: 20, BaselineAlpha: 0.05, MaxFactor: 8},
-		Affinity:           AffinityConfig{Weight: 0.25, OutstandingWeight: 0.1, DecayLow: 2 * time.Second, DecayMedium: 10 * time.Second, DecayHigh: 60 * time.Second},
+		Affinity:           AffinityConfig{Weight: 0.25, OutstandingWeight: 0.1, DecayLowSeconds: 2, DecayMediumSeconds: 10, DecayHighSeconds: 60},
 	}
 }
 
@@ -111,11 +111,9 @@ func (c Config) Validate() error {
 	check("speed.max_factor", c.Speed.MaxFactor, 1, inf, false)
 	check("affinity.weight", c.Affinity.Weight, 0, 1e6, false)
 	check("affinity.outstanding_weight", c.Affinity.OutstandingWeight, 0, 1e6, false)
-	for name, d := range map[string]time.Duration{"affinity.decay_low": c.Affinity.DecayLow, "affinity.decay_medium": c.Affinity.DecayMedium, "affinity.decay_high": c.Affinity.DecayHigh} {
-		if d <= 0 {
-			errs = append(errs, fmt.Errorf("kvbandit.%s: must be > 0", name))
-		}
-	}
+	check("affinity.decay_low_seconds", c.Affinity.DecayLowSeconds, 0, inf, true)
+	check("affinity.decay_medium_seconds", c.Affinity.DecayMediumSeconds, 0, inf, true)
+	check("affinity.decay_high_seconds", c.Affinity.DecayHighSeconds, 0, inf, true)
 	return errors.Join(errs...)
 }
 
@@ -231,7 +229,8 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 		p.prefixes.Pin(s.Req, c.Key(), c.DPRank, sess.Reuse, float64(sess.Reuse)*(promptBlocks+outputBlocks(s.Req, bs)))
 	}
 	st := &decision{key: postKey{c.Key(), c.DPRank}, prefill: max(s.ISL-c.Overlap*s.BlockSize, 0)}
-	return routing.Choice{Index: idx, Ranked: kv.Rank(costs, idx), Scores: costs, State: st}, nil
+	sticky := hasSess && sess.Last != "" && sess.Last == c.Key()
+	return routing.Choice{Index: idx, Ranked: kv.Rank(costs, idx), Scores: costs, State: st, Sticky: sticky}, nil
 }
 
 // outputBlocks estimates a request's generated blocks from its hints.
@@ -247,15 +246,15 @@ func outputBlocks(r *routing.Request, bs int) float64 {
 
 // affinity is the credit (per prompt block) for the session's last endpoint.
 func (p *Policy) affinity(s Session, iat routing.Level) float64 {
-	tau := p.cfg.Affinity.DecayMedium
+	tau := p.cfg.Affinity.DecayMediumSeconds
 	switch iat {
 	case routing.LevelLow:
-		tau = p.cfg.Affinity.DecayLow
+		tau = p.cfg.Affinity.DecayLowSeconds
 	case routing.LevelHigh:
-		tau = p.cfg.Affinity.DecayHigh
+		tau = p.cfg.Affinity.DecayHighSeconds
 	}
 	r := float64(s.Reuse)
-	return p.cfg.Affinity.Weight * r / (r + 1) * math.Exp(-s.Since.Seconds()/tau.Seconds())
+	return p.cfg.Affinity.Weight * r / (r + 1) * math.Exp(-s.Since.Seconds()/tau)
 }
 
 // sampleFactor draws a speed factor for k from its posterior (the prior for

@@ -184,7 +184,7 @@ func TestValidate(t *testing.T) {
 		func(c *Config) { c.Speed.Forget = 1.5 },
 		func(c *Config) { c.Speed.PriorSigma = math.NaN() },
 		func(c *Config) { c.Speed.MaxFactor = 0.5 },
-		func(c *Config) { c.Affinity.DecayLow = 0 },
+		func(c *Config) { c.Affinity.DecayLowSeconds = 0 },
 	}
 	for i, f := range bad {
 		c := DefaultConfig()

@@ -1,0 +1,172 @@
+package app
+
+import (
+	"fmt"
+	"log/slog"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/decisionlog"
+	"github.com/kvbandit/kvbandit/routing/policy"
+	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
+	"github.com/kvbandit/kvbandit/routing/prefixstate"
+)
+
+// engineParts is what buildEngine wires up; close releases it in order.
+type engineParts struct {
+	engine *routing.Engine
+	policy routing.Policy
+	closes []func()
+}
+
+func (p *engineParts) close() {
+	for i := len(p.closes) - 1; i >= 0; i-- {
+		p.closes[i]()
+	}
+}
+
+// routingMetrics are the engine-level metrics fed by decision hooks.
+type routingMetrics struct {
+	overlap        prometheus.Histogram
+	cachedPred     prometheus.Counter
+	cachedReported prometheus.Counter
+	rewards        prometheus.Histogram
+	queueWait      prometheus.Histogram
+	outcomes       *prometheus.CounterVec
+}
+
+func newRoutingMetrics(reg prometheus.Registerer) *routingMetrics {
+	m := &routingMetrics{
+		overlap: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kvbandit_predicted_overlap_blocks", Help: "Cached prefix blocks the index predicted on the chosen endpoint, per decision.",
+			Buckets: prometheus.ExponentialBuckets(1, 2, 14),
+		}),
+		cachedPred: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbandit_cached_tokens_predicted_total", Help: "Prompt tokens the index predicted cached, for requests whose worker reported cached tokens.",
+		}),
+		cachedReported: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbandit_cached_tokens_reported_total", Help: "Cached prompt tokens the workers reported (usage.prompt_tokens_details.cached_tokens).",
+		}),
+		rewards: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kvbandit_reward", Help: "Rewards applied by the learning policy (thompson), in [0, 1].",
+			Buckets: prometheus.LinearBuckets(0, 0.1, 11),
+		}),
+		queueWait: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kvbandit_queue_wait_seconds", Help: "Time requests spent in the admission queue.",
+			Buckets: []float64{.001, .005, .01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30},
+		}),
+		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbandit_session_decisions_total", Help: "Decisions of requests with a prefix id, by whether they stayed on the session's previous endpoint (sticky) or moved (switch).",
+		}, []string{"outcome"}),
+	}
+	reg.MustRegister(m.overlap, m.cachedPred, m.cachedReported, m.rewards, m.queueWait, m.outcomes)
+	return m
+}
+
+// buildEngine makes the policy, the engine and the decision log from the
+// options and the config file.
+func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus.Registerer, clk clock.Clock) (*engineParts, error) {
+	parts := &engineParts{}
+	rm := newRoutingMetrics(reg)
+	rnd := routing.NewRand(o.Seed)
+	store, err := prefixstate.New(prefixstate.Config{TTL: secs(cfg.PrefixState.TTLSecs), MaxEntries: cfg.PrefixState.MaxEntries}, clk)
+	if err != nil {
+		return nil, err
+	}
+	parts.closes = append(parts.closes, store.Close)
+	polCfg := cfg.Config
+	deps := policy.Deps{Logger: log, Rand: rnd, Clock: clk, Config: &polCfg, Prefixes: store, OnReward: func(v float64) { rm.rewards.Observe(v) }}
+	pol, err := policy.Builtin().New(o.Policy, deps)
+	if err != nil {
+		parts.close()
+		return nil, fmt.Errorf("%w: --policy: %w", ErrUsage, err)
+	}
+	if c, ok := pol.(interface{ Close() error }); ok {
+		parts.closes = append(parts.closes, func() { _ = c.Close() })
+	}
+	parts.policy = pol
+	var dlog *decisionlog.Log
+	if cfg.DecisionLog.Path != "" {
+		f, err := decisionlog.ParseFormat(cfg.DecisionLog.Format)
+		if err == nil {
+			dlog, err = decisionlog.Open(cfg.DecisionLog.Path, f, decisionlog.Options{MaxBytes: cfg.DecisionLog.MaxBytes, Logger: log})
+		}
+		if err != nil {
+			parts.close()
+			return nil, fmt.Errorf("decision log: %w", err)
+		}
+		parts.closes = append(parts.closes, func() { _ = dlog.Close() })
+	}
+	opts := cfg.engineOptions(o.Fallbacks)
+	opts.Admission.OnWait = func(d time.Duration) { rm.queueWait.Observe(d.Seconds()) }
+	bs := float64(cfg.Router.BlockSize)
+	engine, err := routing.NewEngine(pol, opts, routing.Deps{
+		Logger: log, Rand: rnd, Clock: clk,
+		OnDecision: func(req *routing.Request, d *routing.Decision) {
+			rm.overlap.Observe(float64(d.Overlap))
+			if req.Hints.PrefixID != "" {
+				if d.Sticky {
+					rm.outcomes.WithLabelValues("sticky").Inc()
+				} else {
+					rm.outcomes.WithLabelValues("switch").Inc()
+				}
+			}
+			if dlog != nil {
+				dlog.Record(record(req, d))
+			}
+		},
+		OnDone: func(d *routing.Decision, out routing.Outcome) {
+			if out.CachedTokens >= 0 && out.Kind == routing.OutcomeSuccess {
+				rm.cachedPred.Add(float64(d.Overlap) * bs)
+				rm.cachedReported.Add(float64(out.CachedTokens))
+			}
+		},
+	})
+	if err != nil {
+		parts.close()
+		return nil, fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	parts.closes = append(parts.closes, engine.Close)
+	parts.engine = engine
+	reg.MustRegister(routing.NewCollector(engine))
+	if kb, ok := pol.(*kvbandit.Policy); ok {
+		reg.MustRegister(posteriorCollector{kb})
+	}
+	return parts, nil
+}
+
+// record turns a decision into a decision-log record.
+func record(req *routing.Request, d *routing.Decision) decisionlog.Record {
+	r := decisionlog.Record{
+		Time: d.At, TokensLen: req.TokenCount, PrefixID: req.Hints.PrefixID, ChosenWorker: string(d.Endpoint),
+		OverlapChosen: float64(d.Overlap), IATLevel: req.Hints.IAT.String(), DecisionID: d.ID, Policy: d.Policy,
+		Tenant: req.Tenant, DPRank: d.DPRank, EstimatedTokens: req.Estimated,
+	}
+	if d.Sticky {
+		r.Stickiness = 1
+	}
+	for _, s := range d.Scores {
+		k := string(s.Endpoint)
+		if s.DPRank >= 0 {
+			k += "/" + strconv.Itoa(s.DPRank)
+		}
+		r.Scores = append(r.Scores, decisionlog.Score{Endpoint: k, Score: s.Score})
+	}
+	return r
+}
+
+// posteriorCollector exports kvbandit's learned speed factors.
+type posteriorCollector struct{ p *kvbandit.Policy }
+
+var posteriorDesc = prometheus.NewDesc("kvbandit_posterior_speed_factor", "kvbandit's posterior mean speed factor per endpoint rank (> 1: slower than the fleet).", []string{"endpoint", "dp_rank"}, nil)
+
+func (posteriorCollector) Describe(ch chan<- *prometheus.Desc) { ch <- posteriorDesc }
+func (c posteriorCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, p := range c.p.Posteriors() {
+		ch <- prometheus.MustNewConstMetric(posteriorDesc, prometheus.GaugeValue, p.Factor, string(p.Endpoint), strconv.Itoa(p.DPRank))
+	}
+}
