@@ -403,6 +403,15 @@ func (l *Live) load() Load {
 	return Load{}
 }
 
+// ActiveBlocks returns each rank's KV blocks held by in-flight requests.
+func (l *Live) ActiveBlocks() []int64 {
+	out := make([]int64, len(l.ranks))
+	for i, r := range l.ranks {
+		out[i] = r.slot.Blocks()
+	}
+	return out
+}
+
 // InFlightPrefill is the endpoint's prompt tokens still being prefilled,
 // over all ranks.
 func (l *Live) InFlightPrefill() int64 {
