@@ -169,7 +169,6 @@ type Engine struct {
 	snap  atomic.Pointer[snapshot]
 	ids   atomic.Uint64
 	index *kvindex.Index
-	slots *slots.Tracker
 	queue *admission.Queue
 	bufs  sync.Pool // *scratch
 
@@ -188,7 +187,7 @@ var (
 // invalid index or admission options. Close releases its timers.
 func NewEngine(p Policy, opts Options, deps Deps) (*Engine, error) {
 	opts.defaults()
-	e := &Engine{policy: p, opts: opts, deps: deps, clk: clock.Or(deps.Clock), rnd: deps.Rand, log: deps.Logger, slots: slots.New()}
+	e := &Engine{policy: p, opts: opts, deps: deps, clk: clock.Or(deps.Clock), rnd: deps.Rand, log: deps.Logger}
 	if e.rnd == nil {
 		e.rnd = NewRand(0)
 	}
@@ -471,16 +470,14 @@ func (e *Engine) blockSize(ep *Endpoint) int {
 
 // scratch holds per-call buffers, pooled.
 type scratch struct {
-	index  []kvindex.Match
-	active []slots.Match
+	index []kvindex.Match
 }
 
 // keySpace is one block size's view of the request.
 type keySpace struct {
-	bs     int
-	keys   []uint64
-	index  []kvindex.Match
-	active []slots.Match
+	bs    int
+	keys  []uint64
+	index []kvindex.Match
 }
 
 func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
@@ -509,15 +506,8 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		if len(spaceList) == 0 {
 			ks.index = e.index.Overlaps(bs, ks.keys, sb.index[:0])
 			sb.index = ks.index
-			if !e.opts.DisableActiveBlocks {
-				ks.active = e.slots.ActivePrefix(ks.keys, sb.active[:0])
-				sb.active = ks.active
-			}
 		} else {
 			ks.index = e.index.Overlaps(bs, ks.keys, nil)
-			if !e.opts.DisableActiveBlocks {
-				ks.active = e.slots.ActivePrefix(ks.keys, nil)
-			}
 		}
 		spaceList = append(spaceList, ks)
 		return &spaceList[len(spaceList)-1]
@@ -539,11 +529,8 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 			if c.Overlap > 0 || len(ks.index) > 0 {
 				c.TreeSize = e.index.Size(rs.worker)
 			}
-			for _, m := range ks.active {
-				if m.Slot == rs.slot {
-					c.NewBlocks = len(ks.keys) - m.N
-					break
-				}
+			if !e.opts.DisableActiveBlocks {
+				c.NewBlocks = len(ks.keys) - rs.slot.ActivePrefix(ks.keys)
 			}
 			c.ActivePrefillTokens = rs.slot.PrefillTokens()
 			c.ActiveBlocks = rs.slot.Blocks()
@@ -608,7 +595,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		if e.opts.DisableActiveBlocks {
 			keys = nil
 		}
-		d.entry = e.slots.Add(rs.slot, keys, sc.ISL, c.Overlap, ks.bs)
+		d.entry = rs.slot.Add(keys, sc.ISL, c.Overlap, ks.bs)
 	}
 	if !rs.eventFed.Load() && len(ks.keys) > 0 {
 		// Approximate mode: assume the worker now caches the prompt.
@@ -636,7 +623,7 @@ func (e *Engine) end(d *Decision, o Outcome) {
 	if d.timer != nil {
 		d.timer.Stop()
 	}
-	e.slots.Free(d.entry)
+	d.entry.Free()
 	if e.queue != nil {
 		e.queue.Wake()
 	}

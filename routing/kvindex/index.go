@@ -1,10 +1,12 @@
 package kvindex
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -307,10 +309,14 @@ func (ix *Index) Overlaps(blockSize int, keys []uint64, dst []Match) []Match {
 		dst = append(dst, Match{Worker: id})
 	}
 	sh.mu.RUnlock()
-	// Active workers are those of dst[base:] with Blocks still 0; active
-	// counts them and sum adds their fingerprints.
-	active := len(dst) - base
+	// The active workers are those of ms with Blocks still 0: active counts
+	// them and sum adds their fingerprints. A key whose workers have the
+	// same sum changes nothing, which is the common case: a spilled entry
+	// stores its sum, and an inline one equal to the last inline entry
+	// that matched the active set is recognised by one compare.
 	ms := dst[base:]
+	active := len(ms)
+	last, same := e.ids, e.ids[0] != spillTag
 	i := 1
 	for ; i < len(keys) && active > 0; i++ {
 		h, sh := sp.locate(keys[i])
@@ -320,11 +326,25 @@ func (ix *Index) Overlaps(blockSize int, keys []uint64, dst []Match) []Match {
 			sh.mu.RUnlock()
 			break
 		}
-		ids, esum := sh.members(&e)
-		if len(ids) != active || esum != sum {
-			active, sum = retain(ms, ids, i, active, sum)
+		var esum uint64
+		inline := e.ids[0] != spillTag
+		if inline {
+			if same && e.ids == last {
+				sh.mu.RUnlock()
+				continue
+			}
+			esum = fingerprint(e.ids[0])
+			if e.ids[1] != 0 {
+				esum += fingerprint(e.ids[1])
+			}
+		} else {
+			esum = e.spillSum()
+		}
+		if esum != sum {
+			active, sum = retain(sh, &e, ms, esum, i, active, sum)
 		}
 		sh.mu.RUnlock()
+		last, same = e.ids, inline && esum == sum
 	}
 	for j := range ms {
 		if ms[j].Blocks == 0 {
@@ -334,9 +354,20 @@ func (ix *Index) Overlaps(blockSize int, keys []uint64, dst []Match) []Match {
 	return dst
 }
 
-// retain ends, at depth, the run of every active match whose worker is not
-// in ids (both ascending) and returns the new active count and sum.
-func retain(ms []Match, ids []WorkerID, depth, active int, sum uint64) (int, uint64) {
+// retain ends, at depth, the run of every active match whose worker does
+// not hold e (sum esum), and returns the new active count and sum. The
+// caller holds sh's read lock.
+func retain(sh *shard, e *entry, ms []Match, esum uint64, depth, active int, sum uint64) (int, uint64) {
+	// If the sums differ by one active worker's fingerprint, that worker
+	// is the only one gone (see fingerprint).
+	if w, ok := fingerprintOwner(sum - esum); ok {
+		j, found := slices.BinarySearchFunc(ms, w, func(m Match, w WorkerID) int { return cmp.Compare(m.Worker, w) })
+		if found && ms[j].Blocks == 0 {
+			ms[j].Blocks = depth
+			return active - 1, esum
+		}
+	}
+	ids, _ := sh.members(e)
 	p := 0
 	for j := range ms {
 		if ms[j].Blocks != 0 {

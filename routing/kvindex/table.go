@@ -19,17 +19,23 @@ const (
 
 // entry lists the workers holding one key, ascending, unused slots zero,
 // with a stamp per worker: 0 for an event-fed entry, else the approximate
-// entry's last use (see Index.stamp).
+// entry's last use (see Index.stamp). A spilled entry (ids[0] == spillTag)
+// keeps its record's index in stamps[0] and the fingerprint sum of its
+// workers in ids[1] (low half) and stamps[1] (high half), so Overlaps can
+// tell an unchanged set without touching the record.
 type entry struct {
 	ids    [inlineIDs]WorkerID
 	stamps [inlineIDs]uint32
 }
 
+func (e *entry) spillSum() uint64 { return uint64(e.ids[1]) | uint64(e.stamps[1])<<32 }
+
+func (e *entry) setSpillSum(sum uint64) { e.ids[1], e.stamps[1] = WorkerID(sum), uint32(sum>>32) }
+
 // spill holds the workers of a key with more than inlineIDs of them.
 type spill struct {
 	ids    []WorkerID // ascending
 	stamps []uint32
-	sum    uint64 // Σ fingerprint(ids)
 }
 
 // table is an open-addressing hash table (linear probing, backward-shift
@@ -66,10 +72,29 @@ func mix(x uint64) uint64 {
 	return x
 }
 
+// unmix inverts mix.
+func unmix(x uint64) uint64 {
+	x ^= x>>31 ^ x>>62
+	x *= 0x319642b2d24d8ec3
+	x ^= x>>27 ^ x>>54
+	x *= 0x96de1b173f119089
+	x ^= x>>30 ^ x>>60
+	return x
+}
+
+const fingerprintOffset = 0x9e3779b97f4a7c15
+
 // fingerprint is the per-worker term of an entry's set sum. Two sets of the
 // same size with the same sum are taken as equal (a 2^-64 event for ids we
-// hand out ourselves); Overlaps uses it to skip comparing unchanged sets.
-func fingerprint(w WorkerID) uint64 { return mix(uint64(w) + 0x9e3779b97f4a7c15) }
+// hand out ourselves): Overlaps uses it to skip comparing unchanged sets,
+// and, when one worker dropped out, to name it with fingerprintOwner.
+func fingerprint(w WorkerID) uint64 { return mix(uint64(w) + fingerprintOffset) }
+
+// fingerprintOwner inverts fingerprint; ok is false if f is no worker's.
+func fingerprintOwner(f uint64) (WorkerID, bool) {
+	w := unmix(f) - fingerprintOffset
+	return WorkerID(w), w != 0 && w < uint64(spillTag)
+}
 
 func (t *table) get(k, h uint64) (entry, bool) {
 	if k == 0 {
@@ -203,7 +228,7 @@ func (t *table) each(f func(k uint64, e *entry) bool) {
 func (s *shard) members(e *entry) ([]WorkerID, uint64) {
 	if e.ids[0] == spillTag {
 		sp := &s.spills[e.stamps[0]]
-		return sp.ids, sp.sum
+		return sp.ids, e.spillSum()
 	}
 	switch {
 	case e.ids[0] == 0:
@@ -246,7 +271,7 @@ func (s *shard) put(k, h uint64, w WorkerID, merge func(old uint32, present bool
 		}
 		sp.ids = slices.Insert(sp.ids, i, w)
 		sp.stamps = slices.Insert(sp.stamps, i, merge(0, false))
-		sp.sum += fingerprint(w)
+		e.setSpillSum(e.spillSum() + fingerprint(w))
 		return true, 0
 	}
 	n := 0
@@ -277,10 +302,12 @@ func (s *shard) put(k, h uint64, w WorkerID, merge func(old uint32, present bool
 	i, _ := slices.BinarySearch(sp.ids, w)
 	sp.ids = slices.Insert(sp.ids, i, w)
 	sp.stamps = slices.Insert(sp.stamps, i, stamp)
+	var sum uint64
 	for _, id := range sp.ids {
-		sp.sum += fingerprint(id)
+		sum += fingerprint(id)
 	}
 	*e = entry{ids: [inlineIDs]WorkerID{spillTag}, stamps: [inlineIDs]uint32{idx}}
+	e.setSpillSum(sum)
 	return true, 0
 }
 
@@ -301,7 +328,7 @@ func (s *shard) drop(k, h uint64, w WorkerID, keep func(stamp uint32) bool) (rem
 		stamp = sp.stamps[i]
 		sp.ids = slices.Delete(sp.ids, i, i+1)
 		sp.stamps = slices.Delete(sp.stamps, i, i+1)
-		sp.sum -= fingerprint(w)
+		e.setSpillSum(e.spillSum() - fingerprint(w))
 		if len(sp.ids) <= inlineIDs {
 			var in entry
 			copy(in.ids[:], sp.ids)

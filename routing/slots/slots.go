@@ -4,13 +4,20 @@
 // prefix counted once.
 //
 // Block identities are the router's chained block keys (routing/kvindex):
-// a key encodes its whole prefix, so an in-flight request holding key i
-// also holds keys 0..i-1, and the request blocks already active on a slot
-// always form a prefix of the request's keys. [Tracker.ActivePrefix] walks
-// them once for every slot at the same time.
+// key i encodes the whole prefix up to block i, so two requests that share
+// key i share keys 0..i. The blocks that in-flight requests hold on a slot
+// therefore form a tree (a trie of chains), and everything the tracker
+// needs follows from longest common prefixes, found by binary search:
 //
-// Reads and writes are safe for concurrent use. The block table is split
-// into shards with their own locks; counters are atomics.
+//   - a request's blocks already held on a slot: the longest common prefix
+//     with any in-flight request there;
+//   - distinct blocks added by a request: its length minus that prefix;
+//   - distinct blocks freed when it ends: its length minus the longest common
+//     prefix with the requests that remain.
+//
+// No per-block table is kept, so adding and freeing a request costs a few
+// binary searches per in-flight request on the slot, not a map operation
+// per block. Each slot has its own lock; nothing is global.
 package slots
 
 import (
@@ -18,13 +25,15 @@ import (
 	"sync/atomic"
 )
 
-const nShards = 64
-
-// Slot is one (endpoint, data-parallel rank)'s live load.
+// Slot is one (endpoint, data-parallel rank)'s in-flight load. The zero
+// value is ready to use.
 type Slot struct {
 	prefill  atomic.Int64
 	blocks   atomic.Int64
 	requests atomic.Int64
+
+	mu      sync.RWMutex
+	entries []*Entry
 }
 
 // PrefillTokens is the prompt tokens of in-flight requests that have not
@@ -37,131 +46,53 @@ func (s *Slot) Blocks() int64 { return s.blocks.Load() }
 // Requests is the number of in-flight requests.
 func (s *Slot) Requests() int64 { return s.requests.Load() }
 
-type holder struct {
-	slot *Slot
-	n    int32
-}
-
-type shard struct {
-	mu sync.RWMutex
-	m  map[uint64][]holder
-}
-
-// Tracker holds the block table shared by all slots.
-type Tracker struct {
-	shards [nShards]shard
-}
-
-// New returns an empty tracker.
-func New() *Tracker {
-	t := &Tracker{}
-	for i := range t.shards {
-		t.shards[i].m = map[uint64][]holder{}
+// lcp is the length of the longest common prefix of two chains of keys.
+// Chained keys make the "equal at i" predicate monotone (true up to the
+// split, false after), so a binary search finds it.
+func lcp(a, b []uint64) int {
+	lo, hi := 0, min(len(a), len(b)) // a[:lo] == b[:lo]; answer <= hi
+	for lo < hi {
+		mid := int(uint(lo+hi+1) >> 1)
+		if a[mid-1] == b[mid-1] {
+			lo = mid
+		} else {
+			hi = mid - 1
+		}
 	}
-	return t
+	return lo
 }
 
-func (t *Tracker) shard(key uint64) *shard { return &t.shards[(key^key>>32)%nShards] }
-
-// Match is one slot's active prefix length for a request.
-type Match struct {
-	Slot *Slot
-	N    int
+// maxLCP returns the longest common prefix of keys with any entry except
+// skip. s.mu is held.
+func (s *Slot) maxLCP(keys []uint64, skip *Entry) int {
+	best := 0
+	for _, e := range s.entries {
+		if e == skip || len(e.keys) <= best {
+			continue
+		}
+		if n := lcp(keys, e.keys); n > best {
+			best = n
+			if best == len(keys) {
+				break
+			}
+		}
+	}
+	return best
 }
 
-// holdersLen returns how many slots hold key.
-func (t *Tracker) holdersLen(key uint64) int {
-	sh := t.shard(key)
-	sh.mu.RLock()
-	n := len(sh.m[key])
-	sh.mu.RUnlock()
+// ActivePrefix returns how many leading keys of the request are already
+// held by in-flight requests on the slot.
+func (s *Slot) ActivePrefix(keys []uint64) int {
+	if len(keys) == 0 || s.requests.Load() == 0 {
+		return 0
+	}
+	s.mu.RLock()
+	n := s.maxLCP(keys, nil)
+	s.mu.RUnlock()
 	return n
 }
 
-// holders appends the slots holding key, sorted by address, to dst.
-func (t *Tracker) holders(key uint64, dst []*Slot) []*Slot {
-	sh := t.shard(key)
-	sh.mu.RLock()
-	for _, h := range sh.m[key] {
-		dst = append(dst, h.slot)
-	}
-	sh.mu.RUnlock()
-	return dst
-}
-
-// ActivePrefix appends to dst, for every slot on which an in-flight request
-// holds keys[0], the number of leading keys held on that slot. Slots not
-// listed hold none.
-//
-// Because the slots holding key i are a subset of those holding key i-1,
-// the holder count never grows along keys; the walk gallops to the points
-// where it shrinks, so its cost grows with the number of distinct prefix
-// lengths, not with the number of keys.
-func (t *Tracker) ActivePrefix(keys []uint64, dst []Match) []Match {
-	dst = dst[:0]
-	n := len(keys)
-	if n == 0 {
-		return dst
-	}
-	var scratch [64]*Slot
-	hs := t.holders(keys[0], scratch[:0])
-	for _, s := range hs {
-		dst = append(dst, Match{Slot: s, N: -1})
-	}
-	alive := len(dst)
-	lo := 0 // the alive set is the holder set of keys[lo]
-	for alive > 0 {
-		// First index j in (lo, n] with fewer holders than alive (n: none).
-		step, hi := 1, lo+1
-		for hi < n && t.holdersLen(keys[hi]) >= alive {
-			lo, step = hi, step*2
-			hi = lo + step
-		}
-		if hi > n {
-			hi = n
-		}
-		for lo+1 < hi { // invariant: len(lo) >= alive, len(hi) < alive or hi == n
-			mid := (lo + hi) / 2
-			if t.holdersLen(keys[mid]) >= alive {
-				lo = mid
-			} else {
-				hi = mid
-			}
-		}
-		if hi == n {
-			break
-		}
-		// Drop the alive slots that do not hold keys[hi].
-		hs = t.holders(keys[hi], scratch[:0])
-		alive = 0
-		for k := range dst {
-			if dst[k].N >= 0 {
-				continue
-			}
-			held := false
-			for _, s := range hs {
-				if s == dst[k].Slot {
-					held = true
-					break
-				}
-			}
-			if held {
-				alive++
-			} else {
-				dst[k].N = hi
-			}
-		}
-		lo = hi
-	}
-	for k := range dst {
-		if dst[k].N < 0 {
-			dst[k].N = n
-		}
-	}
-	return dst
-}
-
-// Entry is one request's hold on a slot. It is released by [Tracker.Free].
+// Entry is one request's hold on a slot, released by [Slot.Free].
 type Entry struct {
 	slot      *Slot
 	keys      []uint64
@@ -174,30 +105,15 @@ type Entry struct {
 // (max(isl − overlap·blockSize, 0)) count as prefill load until
 // [Entry.Prefilled], and its block keys are held until Free. keys is
 // retained; the caller must not modify it afterwards.
-func (t *Tracker) Add(s *Slot, keys []uint64, isl, overlap, blockSize int) *Entry {
+func (s *Slot) Add(keys []uint64, isl, overlap, blockSize int) *Entry {
 	e := &Entry{slot: s, keys: keys, prefill: int64(max(isl-overlap*blockSize, 0))}
-	s.requests.Add(1)
 	s.prefill.Add(e.prefill)
-	added := 0
-	for _, k := range keys {
-		sh := t.shard(k)
-		sh.mu.Lock()
-		hs := sh.m[k]
-		found := false
-		for i := range hs {
-			if hs[i].slot == s {
-				hs[i].n++
-				found = true
-				break
-			}
-		}
-		if !found {
-			sh.m[k] = append(hs, holder{slot: s, n: 1})
-			added++
-		}
-		sh.mu.Unlock()
-	}
+	s.mu.Lock()
+	added := len(keys) - s.maxLCP(keys, nil)
+	s.entries = append(s.entries, e)
+	s.requests.Add(1)
 	s.blocks.Add(int64(added))
+	s.mu.Unlock()
 	return e
 }
 
@@ -210,48 +126,24 @@ func (e *Entry) Prefilled() {
 }
 
 // Free releases the request's hold. It is idempotent and implies Prefilled.
-func (t *Tracker) Free(e *Entry) {
+func (e *Entry) Free() {
 	if e == nil || !e.freed.CompareAndSwap(false, true) {
 		return
 	}
 	e.Prefilled()
 	s := e.slot
-	s.requests.Add(-1)
-	removed := 0
-	for _, k := range e.keys {
-		sh := t.shard(k)
-		sh.mu.Lock()
-		hs := sh.m[k]
-		for i := range hs {
-			if hs[i].slot != s {
-				continue
-			}
-			hs[i].n--
-			if hs[i].n == 0 {
-				removed++
-				hs[i] = hs[len(hs)-1]
-				hs = hs[:len(hs)-1]
-				if len(hs) == 0 {
-					delete(sh.m, k)
-				} else {
-					sh.m[k] = hs
-				}
-			}
+	s.mu.Lock()
+	removed := len(e.keys) - s.maxLCP(e.keys, e)
+	for i, x := range s.entries {
+		if x == e {
+			last := len(s.entries) - 1
+			s.entries[i] = s.entries[last]
+			s.entries[last] = nil
+			s.entries = s.entries[:last]
 			break
 		}
-		sh.mu.Unlock()
 	}
+	s.requests.Add(-1)
 	s.blocks.Add(-int64(removed))
-}
-
-// Len returns the number of distinct keys held by any slot.
-func (t *Tracker) Len() int {
-	n := 0
-	for i := range t.shards {
-		sh := &t.shards[i]
-		sh.mu.RLock()
-		n += len(sh.m)
-		sh.mu.RUnlock()
-	}
-	return n
+	s.mu.Unlock()
 }

@@ -7,71 +7,110 @@ import (
 	"testing"
 )
 
-func keys(n int, base uint64) []uint64 {
+// chain returns n chained-style keys: a shared family prefix of length
+// shared, then keys unique to branch.
+func chain(n, shared int, branch uint64) []uint64 {
 	out := make([]uint64, n)
 	for i := range out {
-		out[i] = base + uint64(i)
+		if i < shared {
+			out[i] = uint64(i) + 1
+		} else {
+			out[i] = (branch+1)<<40 | uint64(shared)<<20 | uint64(i)
+		}
 	}
 	return out
 }
 
 func TestSharedBlocksCountOnce(t *testing.T) {
-	tr := New()
 	a, b := &Slot{}, &Slot{}
 	// Two requests of one prefix on a: 4 shared blocks, then 2 and 3 own.
-	e1 := tr.Add(a, append(keys(4, 100), 900, 901), 6*16, 0, 16)
-	e2 := tr.Add(a, append(keys(4, 100), 800, 801, 802), 7*16+5, 2, 16)
+	e1 := a.Add(chain(6, 4, 1), 6*16, 0, 16)
+	e2 := a.Add(chain(7, 4, 2), 7*16+5, 2, 16)
 	if got := a.Blocks(); got != 4+2+3 {
 		t.Fatalf("blocks = %d, want 9", got)
 	}
 	if got := a.PrefillTokens(); got != 6*16+(7*16+5-2*16) {
 		t.Fatalf("prefill = %d", got)
 	}
-	e3 := tr.Add(b, keys(2, 100), 40, 0, 16)
-	m := tr.ActivePrefix(append(keys(4, 100), 777), nil)
-	got := map[*Slot]int{}
-	for _, x := range m {
-		got[x.Slot] = x.N
+	e3 := b.Add(chain(2, 2, 0), 40, 0, 16)
+	req := chain(5, 4, 9)
+	if got := a.ActivePrefix(req); got != 4 {
+		t.Fatalf("a active prefix = %d", got)
 	}
-	if got[a] != 4 || got[b] != 2 || len(got) != 2 {
-		t.Fatalf("active prefix = %v", got)
+	if got := b.ActivePrefix(req); got != 2 {
+		t.Fatalf("b active prefix = %d", got)
 	}
 	e1.Prefilled()
 	e1.Prefilled()
 	if got := a.PrefillTokens(); got != 7*16+5-2*16 {
 		t.Fatalf("prefill after prefilled = %d", got)
 	}
-	tr.Free(e1)
-	tr.Free(e1)
+	e1.Free()
+	e1.Free()
 	if got := a.Blocks(); got != 4+3 {
 		t.Fatalf("blocks after free = %d, want 7", got)
 	}
-	tr.Free(e2)
-	tr.Free(e3)
-	if a.Blocks() != 0 || a.PrefillTokens() != 0 || a.Requests() != 0 || b.Blocks() != 0 || tr.Len() != 0 {
-		t.Fatalf("not released: a=%d/%d/%d b=%d len=%d", a.Blocks(), a.PrefillTokens(), a.Requests(), b.Blocks(), tr.Len())
+	e2.Free()
+	e3.Free()
+	if a.Blocks() != 0 || a.PrefillTokens() != 0 || a.Requests() != 0 || b.Blocks() != 0 {
+		t.Fatalf("not released: a=%d/%d/%d b=%d", a.Blocks(), a.PrefillTokens(), a.Requests(), b.Blocks())
 	}
-	if m := tr.ActivePrefix(nil, nil); len(m) != 0 {
-		t.Fatal("empty keys")
+	if a.ActivePrefix(nil) != 0 || a.ActivePrefix(req) != 0 {
+		t.Fatal("empty slot reports an active prefix")
+	}
+}
+
+// TestMatchesNaiveUnion compares the counters with a direct union of the
+// in-flight requests' blocks over random add/free sequences of chains.
+func TestMatchesNaiveUnion(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	for round := range 300 {
+		s := &Slot{}
+		var live []*Entry
+		for step := range 40 {
+			if len(live) > 0 && rng.IntN(3) == 0 {
+				i := rng.IntN(len(live))
+				live[i].Free()
+				live = append(live[:i], live[i+1:]...)
+			} else {
+				k := chain(rng.IntN(30), rng.IntN(20), uint64(rng.IntN(4)))
+				live = append(live, s.Add(k, 0, 0, 16))
+			}
+			union := map[uint64]bool{}
+			for _, e := range live {
+				for _, k := range e.keys {
+					union[k] = true
+				}
+			}
+			if int(s.Blocks()) != len(union) {
+				t.Fatalf("round %d step %d: blocks %d, union %d", round, step, s.Blocks(), len(union))
+			}
+			req := chain(rng.IntN(30), rng.IntN(20), uint64(rng.IntN(5)))
+			want := 0
+			for want < len(req) && union[req[want]] {
+				want++
+			}
+			if got := s.ActivePrefix(req); got != want {
+				t.Fatalf("round %d step %d: active prefix %d, want %d", round, step, got, want)
+			}
+		}
 	}
 }
 
 func TestConcurrentAddFree(t *testing.T) {
-	tr := New()
 	ss := []*Slot{{}, {}, {}}
 	var wg sync.WaitGroup
 	for g := range 8 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			var buf []Match
 			for i := range 500 {
 				s := ss[(g+i)%3]
-				k := keys(1+i%40, uint64(i%5)*1000)
-				e := tr.Add(s, k, len(k)*16, 0, 16)
-				buf = tr.ActivePrefix(k, buf)
+				k := chain(1+i%40, i%17, uint64(i%5))
+				e := s.Add(k, len(k)*16, 0, 16)
+				s.ActivePrefix(k)
 				e.Prefilled()
-				tr.Free(e)
+				e.Free()
 			}
 		}()
 	}
@@ -81,66 +120,23 @@ func TestConcurrentAddFree(t *testing.T) {
 			t.Fatalf("leak: %d %d %d", s.Blocks(), s.PrefillTokens(), s.Requests())
 		}
 	}
-	if tr.Len() != 0 {
-		t.Fatal("table not empty")
-	}
 }
 
-// BenchmarkActivePrefix: 64 slots, a 512-block request. distinct=64: every
-// slot holds a different prefix length (the worst case); distinct=4: slots
-// share four prefix lengths (a system prompt, a few conversations).
-func BenchmarkActivePrefix(b *testing.B) {
-	for _, distinct := range []int{4, 64} {
-		b.Run(fmt.Sprintf("slots=64/keys=512/distinct=%d", distinct), func(b *testing.B) {
-			tr := New()
-			for i := range 64 {
-				tr.Add(&Slot{}, keys(1+(i%distinct)*(500/distinct), 7), 0, 0, 16)
+// BenchmarkAddActiveFree: one slot with 8 in-flight requests of the same
+// family; a 512-block request is checked, added and freed.
+func BenchmarkAddActiveFree(b *testing.B) {
+	for _, inflight := range []int{8, 64} {
+		b.Run(fmt.Sprintf("inflight=%d/keys=512", inflight), func(b *testing.B) {
+			s := &Slot{}
+			for i := range inflight {
+				s.Add(chain(512, 64*(i%8), uint64(i)), 0, 0, 16)
 			}
-			req := keys(512, 7)
-			var buf []Match
+			req := chain(512, 300, 99)
 			b.ReportAllocs()
 			for b.Loop() {
-				buf = tr.ActivePrefix(req, buf)
+				_ = s.ActivePrefix(req)
+				s.Add(req, 8192, 0, 16).Free()
 			}
 		})
-	}
-}
-
-// TestActivePrefixMatchesNaive compares the galloping walk with a direct
-// count on random fleets of requests.
-func TestActivePrefixMatchesNaive(t *testing.T) {
-	rng := rand.New(rand.NewPCG(1, 2))
-	for round := range 200 {
-		tr := New()
-		ss := make([]*Slot, 1+rng.IntN(10))
-		for i := range ss {
-			ss[i] = &Slot{}
-		}
-		held := map[*Slot]map[uint64]bool{}
-		for range rng.IntN(20) {
-			s := ss[rng.IntN(len(ss))]
-			k := keys(rng.IntN(60), uint64(rng.IntN(2))*10000)
-			tr.Add(s, k, 0, 0, 16)
-			if held[s] == nil {
-				held[s] = map[uint64]bool{}
-			}
-			for _, x := range k {
-				held[s][x] = true
-			}
-		}
-		req := keys(rng.IntN(70), 0)
-		got := map[*Slot]int{}
-		for _, m := range tr.ActivePrefix(req, nil) {
-			got[m.Slot] = m.N
-		}
-		for _, s := range ss {
-			want := 0
-			for want < len(req) && held[s][req[want]] {
-				want++
-			}
-			if got[s] != want {
-				t.Fatalf("round %d: slot prefix %d, want %d", round, got[s], want)
-			}
-		}
 	}
 }

@@ -114,7 +114,7 @@ type Policy struct {
 	// learnedMu when an endpoint or rank is first seen or dropped as idle.
 	learned   atomic.Pointer[learnedState]
 	learnedMu sync.Mutex
-	termsPool sync.Pool // *[]candidateTerms
+	scratch   sync.Pool // *scratch
 	startup   atomic.Pointer[map[routing.EndpointKey]struct{}]
 	nextIdle  atomic.Int64
 
@@ -165,7 +165,7 @@ func New(cfg Config, deps Deps) (*Policy, error) {
 	a := identity(cfg.LinTS.Lambda)
 	p.prior, _ = computePosterior(&a, &vec{})
 	p.learned.Store(&learnedState{arms: map[armKey]*arm{}, endpoints: map[routing.EndpointKey]*endpointState{}})
-	p.termsPool.New = func() any { return new([]candidateTerms) }
+	p.scratch.New = func() any { return new(scratch) }
 	return p, nil
 }
 
@@ -225,12 +225,12 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 	if now.IsZero() {
 		now = p.clk.Now()
 	}
-	buf := p.termsPool.Get().(*[]candidateTerms)
-	defer p.termsPool.Put(buf)
-	if cap(*buf) < n {
-		*buf = make([]candidateTerms, n)
-	}
-	terms := (*buf)[:n]
+	sc := p.scratch.Get().(*scratch)
+	defer p.scratch.Put(sc)
+	sc.grow(n)
+	terms, arms := sc.terms[:n], sc.arms[:n]
+	clear(arms)
+	defer clear(arms) // do not keep learners alive from the pool
 	rq := p.terms(s, commit, terms)
 
 	src := s.Rand
@@ -239,10 +239,6 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 	}
 	rng := src.Local()
 	scores := make([]float64, n)
-	var arms []*arm
-	if commit {
-		arms = make([]*arm, n)
-	}
 	v := p.cfg.LinTS.V
 	learned := p.learned.Load()
 	for i := range s.Candidates {
@@ -266,7 +262,7 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 		pb := sampleBeta(rng, beta.alpha, beta.beta)
 		scores[i] = assemble(&terms[i], lin, pb, rq.eps, p.compat.ScaledSwitchingCost)
 	}
-	chosen := p.draw(rng, scores, rq.temperature)
+	chosen := p.draw(rng, scores, rq.temperature, sc.probs[:n])
 	ranked := make([]int, n)
 	for i := range ranked {
 		ranked[i] = i
@@ -414,13 +410,28 @@ func assemble(ct *candidateTerms, lin, pBeta, eps float64, scaledSwitch bool) fl
 	return val
 }
 
+// scratch holds Choose's per-call buffers, pooled.
+type scratch struct {
+	terms []candidateTerms
+	arms  []*arm
+	probs []float64
+}
+
+func (s *scratch) grow(n int) {
+	if cap(s.terms) < n {
+		s.terms = make([]candidateTerms, n)
+		s.arms = make([]*arm, n)
+		s.probs = make([]float64, n)
+	}
+}
+
 // draw samples an index from softmax((v − max v)/T) by a cumulative draw
-// (§3.7); a degenerate distribution is uniform.
-func (p *Policy) draw(rng interface{ Float64() float64 }, vals []float64, temperature float64) int {
+// (§3.7); a degenerate distribution is uniform. probs is scratch space of
+// len(vals).
+func (p *Policy) draw(rng interface{ Float64() float64 }, vals []float64, temperature float64, probs []float64) int {
 	t := p.cfg.Exploration.Temperature
 	temperature = max(min(max(temperature, t.Min), t.Max), minTemperature)
 	top := slices.Max(vals)
-	probs := make([]float64, len(vals))
 	var sum float64
 	for i, v := range vals {
 		probs[i] = math.Exp((v - top) / temperature)

@@ -544,14 +544,14 @@ func TestDrawDegenerate(t *testing.T) {
 	rng := rand.New(rand.NewPCG(9, 9))
 	counts := make([]int, 3)
 	for range 3000 {
-		counts[p.draw(rng, []float64{badScore, badScore, badScore}, 1)]++
+		counts[p.draw(rng, []float64{badScore, badScore, badScore}, 1, make([]float64, 3))]++
 	}
 	for i, c := range counts {
 		if c < 800 {
 			t.Errorf("equal scores: index %d drawn %d/3000 times", i, c)
 		}
 	}
-	if got := p.draw(rng, []float64{0, 1e6, -1e6}, 0.15); got != 1 {
+	if got := p.draw(rng, []float64{0, 1e6, -1e6}, 0.15, make([]float64, 3)); got != 1 {
 		t.Errorf("dominant score not chosen: %d", got)
 	}
 }
