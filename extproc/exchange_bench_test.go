@@ -38,6 +38,7 @@ func BenchmarkExtProcExchange(b *testing.B) {
 				var impl extprocv3.ExternalProcessorServer = echoServer{}
 				if srv == "kvbandit" {
 					e := routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
+					defer e.Close()
 					if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}, {Key: "10.0.0.2:8000"}}}); err != nil {
 						b.Fatal(err)
 					}

@@ -94,6 +94,7 @@ func runCase(t *testing.T, gc goldenCase, reqs []*extprocv3.ProcessingRequest) (
 	}
 	log := slog.New(slog.DiscardHandler)
 	e := routing.MustEngine(pol, routing.Options{Fallbacks: gc.Fallbacks}, routing.Deps{Rand: rnd, Logger: log})
+	defer e.Close()
 	if err := e.Update(routing.EndpointSet{Source: "golden", Endpoints: gc.Endpoints}); err != nil {
 		t.Fatal(err)
 	}

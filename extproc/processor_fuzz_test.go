@@ -32,7 +32,8 @@ func FuzzProcessor(f *testing.F) {
 		if len(ops) > 64 {
 			ops = ops[:64]
 		}
-		e := routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
+		e := routing.MustEngine(roundrobin.New(), routing.Options{SyncIndex: true}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
+		defer e.Close()
 		if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}, {Key: "10.0.0.2:8000", Models: []routing.ModelName{"m"}}}}); err != nil {
 			t.Fatal(err)
 		}

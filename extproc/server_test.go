@@ -50,6 +50,7 @@ func newHarness(t *testing.T, cfg extproc.Config, clk clock.Clock) *harness {
 		h.mu.Unlock()
 		h.doneC <- o
 	}})
+	t.Cleanup(h.engine.Close)
 	if err := h.engine.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}, {Key: "10.0.0.2:8000"}}}); err != nil {
 		t.Fatal(err)
 	}

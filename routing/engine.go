@@ -117,7 +117,24 @@ type Options struct {
 	// DefaultMaxBatchedTokens is an endpoint's prefill capacity when
 	// discovery does not say (default 8192).
 	DefaultMaxBatchedTokens int
+	// SyncIndex applies approximate index inserts inside Pick instead of on
+	// the engine's index goroutine. The virtual-time simulator and tests
+	// use it for determinism; serving leaves it off so that Pick never
+	// takes the index's writer lock.
+	SyncIndex bool
 }
+
+// insert is one approximate index insert queued off the request path.
+type insert struct {
+	worker kvindex.WorkerID
+	bs     int
+	keys   []uint64
+	at     time.Time
+}
+
+// insertQueue bounds the approximate inserts waiting for the index
+// goroutine; beyond it inserts are dropped and counted.
+const insertQueue = 4096
 
 // Defaults for [Options].
 const (
@@ -145,6 +162,40 @@ type rankState struct {
 	// eventFed is set when the rank's KV events keep the index exact; it
 	// then gets no approximate inserts.
 	eventFed atomic.Bool
+	// memo is the policy's per-rank state (Candidate.Memo).
+	memo atomic.Pointer[any]
+
+	// recent remembers the last chains inserted into the approximate index
+	// for this rank, so that a prompt extending one of them (an agent's
+	// next turn, a shared system prompt) only inserts its new blocks: the
+	// index stamps entries to the second, so a refresh within the same
+	// second changes nothing.
+	recentMu sync.Mutex
+	recent   [4]recentChain
+	recentAt int
+}
+
+type recentChain struct {
+	keys []uint64
+	at   time.Time
+}
+
+// unseen returns how many leading keys were inserted for this rank within
+// the last second, and records keys as inserted at now.
+func (r *rankState) unseen(keys []uint64, now time.Time) int {
+	r.recentMu.Lock()
+	defer r.recentMu.Unlock()
+	skip := 0
+	for i := range r.recent {
+		c := &r.recent[i]
+		if c.keys == nil || now.Sub(c.at) >= time.Second || now.Before(c.at) {
+			continue
+		}
+		skip = max(skip, slots.CommonPrefix(keys, c.keys))
+	}
+	r.recent[r.recentAt] = recentChain{keys: keys, at: now}
+	r.recentAt = (r.recentAt + 1) % len(r.recent)
+	return skip
 }
 
 type snapshot struct {
@@ -173,6 +224,11 @@ type Engine struct {
 	bufs  sync.Pool // *scratch
 
 	expired atomic.Int64
+	// inserts feeds the index goroutine (nil with SyncIndex).
+	inserts      chan insert
+	insertsDone  chan struct{}
+	insertsDrop  atomic.Int64
+	closeInserts sync.Once
 
 	// mu serialises Update (the writer side only).
 	mu sync.Mutex
@@ -210,6 +266,11 @@ func NewEngine(p Policy, opts Options, deps Deps) (*Engine, error) {
 		e.queue = q
 	}
 	e.bufs.New = func() any { return &scratch{} }
+	if !opts.SyncIndex {
+		e.inserts = make(chan insert, insertQueue)
+		e.insertsDone = make(chan struct{})
+		go e.applyInserts()
+	}
 	e.snap.Store(&snapshot{byKey: map[EndpointKey]*EndpointState{}, models: map[ModelName]struct{}{}})
 	return e, nil
 }
@@ -223,9 +284,31 @@ func MustEngine(p Policy, opts Options, deps Deps) *Engine {
 	return e
 }
 
-// Close stops the engine's timers (index expiry). Decisions still open keep
-// working; their stale-decision timers fire as usual.
-func (e *Engine) Close() { e.index.Close() }
+// Close stops the engine's index goroutine (after applying what is queued)
+// and timers. Decisions still open keep working; their stale-decision
+// timers fire as usual. Pick must not be called after Close.
+func (e *Engine) Close() {
+	e.closeInserts.Do(func() {
+		if e.inserts != nil {
+			close(e.inserts)
+			<-e.insertsDone
+		}
+		e.index.Close()
+	})
+}
+
+// applyInserts is the index goroutine: it applies approximate inserts in
+// decision order.
+func (e *Engine) applyInserts() {
+	defer close(e.insertsDone)
+	for in := range e.inserts {
+		_ = e.index.InsertApprox(in.worker, in.bs, in.keys, in.at)
+	}
+}
+
+// DroppedInserts counts approximate inserts dropped because the index
+// goroutine fell behind.
+func (e *Engine) DroppedInserts() int64 { return e.insertsDrop.Load() }
 
 // Index returns the KV index (for KV-event ingestion and metrics).
 func (e *Engine) Index() *kvindex.Index { return e.index }
@@ -490,7 +573,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	for _, st := range eps {
 		n += len(st.ranks)
 	}
-	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: e.clk.Now(), Candidates: make([]Candidate, 0, n)}
+	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: e.clk.Now(), Candidates: make([]Candidate, 0, n), WantRanked: e.opts.Fallbacks > 0}
 	sb := e.bufs.Get().(*scratch)
 	defer e.bufs.Put(sb)
 	seed := kvindex.Seed(req.LoRA, req.CacheSalt)
@@ -599,7 +682,17 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	}
 	if !rs.eventFed.Load() && len(ks.keys) > 0 {
 		// Approximate mode: assume the worker now caches the prompt.
-		_ = e.index.InsertApprox(rs.worker, ks.bs, ks.keys, sc.Now)
+		if fresh := ks.keys[rs.unseen(ks.keys, sc.Now):]; len(fresh) > 0 {
+			if e.inserts == nil {
+				_ = e.index.InsertApprox(rs.worker, ks.bs, fresh, sc.Now)
+			} else {
+				select {
+				case e.inserts <- insert{rs.worker, ks.bs, fresh, sc.Now}:
+				default:
+					e.insertsDrop.Add(1)
+				}
+			}
+		}
 	}
 	d.onEnd = e.end
 	d.onFirst = func() {

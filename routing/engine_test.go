@@ -22,6 +22,7 @@ func newEngine(t *testing.T, name string, opts routing.Options, eps ...routing.E
 		t.Fatal(err)
 	}
 	e := routing.MustEngine(p, opts, routing.Deps{Rand: rnd})
+	t.Cleanup(e.Close)
 	if err := e.Update(routing.EndpointSet{Source: "test", Endpoints: eps}); err != nil {
 		t.Fatal(err)
 	}
@@ -187,6 +188,7 @@ func TestPassThroughUnknownModels(t *testing.T) {
 func TestNoEndpoints(t *testing.T) {
 	p, _ := policy.Builtin().New("round_robin", policy.Deps{})
 	e := routing.MustEngine(p, routing.Options{}, routing.Deps{})
+	defer e.Close()
 	if _, err := e.Pick(t.Context(), &routing.Request{}); !errors.Is(err, routing.ErrNoEndpoints) {
 		t.Fatalf("err = %v, want ErrNoEndpoints", err)
 	}

@@ -24,6 +24,9 @@ func tokens(n int, base uint32) []uint32 {
 
 func engineWith(t testing.TB, name string, opts routing.Options, clk clock.Clock, eps ...routing.Endpoint) *routing.Engine {
 	t.Helper()
+	if _, bench := t.(*testing.B); !bench {
+		opts.SyncIndex = true // tests look at the index right after a pick
+	}
 	rnd := routing.NewRand(1)
 	p, err := policy.Builtin().New(name, policy.Deps{Rand: rnd, Clock: clk})
 	if err != nil {

@@ -1,6 +1,9 @@
 package routing
 
-import "time"
+import (
+	"sync/atomic"
+	"time"
+)
 
 // Load is an endpoint's load as its metrics report it (scraped off the
 // request path). The zero value means "nothing known".
@@ -63,4 +66,17 @@ type Scoring struct {
 	Rand *Rand
 	// Now is the decision time from the engine's clock.
 	Now time.Time
+	// WantRanked is set when the engine needs Choice.Ranked (fallbacks);
+	// policies may skip ranking otherwise.
+	WantRanked bool
+}
+
+// Memo returns the candidate's policy memo: a per-(endpoint, rank) slot,
+// stable across snapshot swaps, where a policy may keep a pointer to its
+// own state for lock-free reads. Only one policy runs per engine.
+func (c *Candidate) Memo() *atomic.Pointer[any] {
+	if c.State == nil || c.State.Live == nil || len(c.State.ranks) == 0 {
+		return new(atomic.Pointer[any]) // a candidate made outside an engine
+	}
+	return &c.rank().memo
 }

@@ -73,7 +73,11 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 	parts := &engineParts{}
 	rm := newRoutingMetrics(reg)
 	rnd := routing.NewRand(o.Seed)
-	store, err := prefixstate.New(prefixstate.Config{TTL: secs(cfg.PrefixState.TTLSecs), MaxEntries: cfg.PrefixState.MaxEntries}, clk)
+	// The reference router never expires prefix state; thompson's compat
+	// switch asks for that behaviour from the shared store too.
+	th := cfg.Config.Thompson
+	noExpiry := th.ReferenceCompat || th.Compat.NoPrefixExpiry
+	store, err := prefixstate.New(prefixstate.Config{TTL: secs(cfg.PrefixState.TTLSecs), MaxEntries: cfg.PrefixState.MaxEntries, NoExpiry: noExpiry}, clk)
 	if err != nil {
 		return nil, err
 	}

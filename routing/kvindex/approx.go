@@ -63,9 +63,9 @@ func (ix *Index) stamp(t time.Time) uint32 {
 // blocks first, down to PruneTargetRatio of it.
 //
 // now should come from the index's clock. Stamps never go backwards: a now
-// earlier than a previous insert's counts as that insert's. Keys w already
-// holds from KV events stay event-fed. InsertApprox is safe to call
-// concurrently; inserts are serialised internally.
+// earlier than that of a previous insert is taken as that insert's time.
+// Keys w already holds from KV events stay event-fed. InsertApprox is safe
+// to call concurrently; inserts are serialised internally.
 func (ix *Index) InsertApprox(w WorkerID, blockSize int, keys []uint64, now time.Time) error {
 	wk := ix.worker(w)
 	if wk == nil {
@@ -95,24 +95,23 @@ func (ix *Index) InsertApprox(w WorkerID, blockSize int, keys []uint64, now time
 		}
 		return st
 	}
-	var added int64
 	for _, k := range keys {
 		h, sh := sp.locate(k)
 		sh.mu.Lock()
 		isNew, old := sh.put(k, h, w, merge)
-		sh.mu.Unlock()
 		if isNew {
-			added++
-		} else if old == 0 || old == st {
+			// Count under the shard lock, before an Apply of w can turn
+			// the entry event-fed and uncount it.
+			ix.entries.Add(1)
+			ix.approxEntries.Add(1)
+			wk.size.Add(1)
+			wk.approx.Add(1)
+		}
+		sh.mu.Unlock()
+		if !isNew && (old == 0 || old == st) {
 			continue // event-fed, or already queued at st
 		}
 		sp.aq.items = append(sp.aq.items, qitem{key: k, worker: w, stamp: st})
-	}
-	if added > 0 {
-		ix.entries.Add(added)
-		ix.approxEntries.Add(added)
-		wk.size.Add(added)
-		wk.approx.Add(added)
 	}
 	ix.compactLocked(sp)
 	ix.pruneLocked()
@@ -120,7 +119,7 @@ func (ix *Index) InsertApprox(w WorkerID, blockSize int, keys []uint64, now time
 	return nil
 }
 
-// dropItem removes it's entry if the worker's stamp for the key is still
+// dropItem removes the item's entry if the worker's stamp for the key is still
 // it.stamp, and consumes the item. The caller holds approx.mu.
 func (ix *Index) dropItem(sp *space, it *qitem) bool {
 	st := it.stamp

@@ -59,12 +59,15 @@ type Event struct {
 //   - Stored hashes each block's tokens (salted by LoRA and Namespace) and
 //     chains it from the parent's key, or from the root without a parent,
 //     exactly as [AppendBlockKeys] does for a request, then records the
-//     engine hash → key mapping. An unknown parent rejects the whole event
-//     with ErrUnknownParent; a block with a token count other than
-//     BlockSize rejects it with ErrBlockSize.
+//     engine hash → key mapping (an engine hash seen before with other
+//     content moves to the new block). An unknown parent rejects the whole
+//     event with ErrUnknownParent, a block with a token count other than
+//     BlockSize with ErrBlockSize, and an engine hash named twice with
+//     ErrInvalidEvent.
 //   - Removed drops w from the blocks of those engine hashes; hashes not
 //     indexed for w are counted and reported with ErrUnknownBlock after the
-//     others are applied.
+//     others are applied (common right after the router subscribes, so
+//     callers usually count rather than log it).
 //   - Cleared drops every entry of w, approximate ones included; w stays
 //     registered.
 //

@@ -199,7 +199,7 @@ func BenchmarkBlockKeys(b *testing.B) {
 		b.Run(fmt.Sprintf("tokens=%d", n), func(b *testing.B) {
 			tokens := make([]uint32, n)
 			for i := range tokens {
-				tokens[i] = uint32(i*2654435761) % 150000
+				tokens[i] = uint32(i) * 2654435761 % 150000
 			}
 			dst := make([]uint64, 0, n/16)
 			b.ReportAllocs()

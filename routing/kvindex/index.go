@@ -1,12 +1,10 @@
 package kvindex
 
 import (
-	"cmp"
 	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -230,8 +228,9 @@ func (ix *Index) RemoveEndpoint(endpoint string) int {
 	return len(gone)
 }
 
-// Size returns the number of blocks w holds over all block sizes, the
-// tie-break Dynamo calls tree size. It does not lock.
+// Size returns the number of blocks w holds over all block sizes (its
+// entries), the tie-break Dynamo calls tree size; 0 for an unknown or
+// removed worker. It does not lock.
 func (ix *Index) Size(w WorkerID) int {
 	if wk := ix.worker(w); wk != nil {
 		return int(wk.size.Load())
@@ -361,9 +360,16 @@ func retain(sh *shard, e *entry, ms []Match, esum uint64, depth, active int, sum
 	// If the sums differ by one active worker's fingerprint, that worker
 	// is the only one gone (see fingerprint).
 	if w, ok := fingerprintOwner(sum - esum); ok {
-		j, found := slices.BinarySearchFunc(ms, w, func(m Match, w WorkerID) int { return cmp.Compare(m.Worker, w) })
-		if found && ms[j].Blocks == 0 {
-			ms[j].Blocks = depth
+		lo, hi := 0, len(ms) // ms is sorted by worker
+		for lo < hi {
+			if mid := int(uint(lo+hi) >> 1); ms[mid].Worker < w {
+				lo = mid + 1
+			} else {
+				hi = mid
+			}
+		}
+		if lo < len(ms) && ms[lo].Worker == w && ms[lo].Blocks == 0 {
+			ms[lo].Blocks = depth
 			return active - 1, esum
 		}
 	}
@@ -431,8 +437,8 @@ func (ix *Index) Stats() Stats {
 func (ix *Index) store(sp *space, wk *worker, k uint64) {
 	h, sh := sp.locate(k)
 	sh.mu.Lock()
+	defer sh.mu.Unlock() // counters move with the entry, so they never go negative
 	added, old := sh.put(k, h, wk.id, eventStamp)
-	sh.mu.Unlock()
 	switch {
 	case added:
 		ix.entries.Add(1)
@@ -450,8 +456,8 @@ func eventStamp(uint32, bool) uint32 { return 0 }
 func (ix *Index) unhold(sp *space, wk *worker, k uint64, keep func(uint32) bool) bool {
 	h, sh := sp.locate(k)
 	sh.mu.Lock()
+	defer sh.mu.Unlock()
 	removed, stamp := sh.drop(k, h, wk.id, keep)
-	sh.mu.Unlock()
 	if removed {
 		ix.entries.Add(-1)
 		wk.size.Add(-1)

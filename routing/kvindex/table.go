@@ -40,16 +40,21 @@ type spill struct {
 
 // table is an open-addressing hash table (linear probing, backward-shift
 // deletion, no tombstones) from a non-zero key to an entry. Key 0 lives
-// beside the slots. Slots are found by h = mix(key ^ seed); callers pass h
-// so it is computed once per key.
+// beside the slots. A slot holds its key and entry together, so a lookup
+// touches one cache line. Slots are found by h = mix(key ^ seed); callers
+// pass h so it is computed once per key.
 type table struct {
-	keys    []uint64
-	vals    []entry
+	slots   []slot
 	mask    uint64
 	n       int // keys held, the zero key included
 	seed    uint64
 	hasZero bool
 	zero    entry
+}
+
+type slot struct {
+	key uint64 // 0: empty
+	e   entry
 }
 
 // shard is one lock's worth of a space: a table plus the spill records of
@@ -59,7 +64,7 @@ type shard struct {
 	tab    table
 	spills []spill
 	free   []uint32
-	_      [40]byte // keep neighbouring shards' locks off one cache line
+	_      [48]byte // pads a shard to 192 bytes: whole cache lines, no lock shared with a neighbour
 }
 
 // mix is the splitmix64 finalizer, a bijection with full avalanche.
@@ -100,17 +105,16 @@ func (t *table) get(k, h uint64) (entry, bool) {
 	if k == 0 {
 		return t.zero, t.hasZero
 	}
-	if t.keys == nil {
-		return entry{}, false
-	}
-	for i := h & t.mask; ; i = (i + 1) & t.mask {
-		switch t.keys[i] {
+	for i := h & t.mask; int(i) < len(t.slots); i = (i + 1) & t.mask {
+		sl := &t.slots[i]
+		switch sl.key {
 		case k:
-			return t.vals[i], true
+			return sl.e, true
 		case 0:
 			return entry{}, false
 		}
 	}
+	return entry{}, false // no slots yet
 }
 
 // ref returns the entry of k, or nil. The pointer is valid until the next
@@ -122,17 +126,16 @@ func (t *table) ref(k, h uint64) *entry {
 		}
 		return nil
 	}
-	if t.keys == nil {
-		return nil
-	}
-	for i := h & t.mask; ; i = (i + 1) & t.mask {
-		switch t.keys[i] {
+	for i := h & t.mask; int(i) < len(t.slots); i = (i + 1) & t.mask {
+		sl := &t.slots[i]
+		switch sl.key {
 		case k:
-			return &t.vals[i]
+			return &sl.e
 		case 0:
 			return nil
 		}
 	}
+	return nil
 }
 
 // upsert returns the entry of k, creating an empty one if needed.
@@ -144,20 +147,20 @@ func (t *table) upsert(k, h uint64) *entry {
 		}
 		return &t.zero
 	}
-	if t.keys == nil {
+	if t.slots == nil {
 		t.resize(minTableCap)
-	} else if 4*(t.n+1) > 3*len(t.keys) {
-		t.resize(2 * len(t.keys))
+	} else if 4*(t.n+1) > 3*len(t.slots) {
+		t.resize(2 * len(t.slots))
 	}
 	for i := h & t.mask; ; i = (i + 1) & t.mask {
-		switch t.keys[i] {
+		sl := &t.slots[i]
+		switch sl.key {
 		case k:
-			return &t.vals[i]
+			return &sl.e
 		case 0:
-			t.keys[i] = k
-			t.vals[i] = entry{}
+			*sl = slot{key: k}
 			t.n++
-			return &t.vals[i]
+			return &sl.e
 		}
 	}
 }
@@ -170,56 +173,42 @@ func (t *table) remove(k, h uint64) {
 		return
 	}
 	i := h & t.mask
-	for t.keys[i] != k {
+	for t.slots[i].key != k {
 		i = (i + 1) & t.mask
 	}
 	// Backward shift: pull later members of the probe run into the hole
 	// when the hole lies between their home slot and where they sit.
 	for j := i; ; {
 		j = (j + 1) & t.mask
-		kj := t.keys[j]
+		kj := t.slots[j].key
 		if kj == 0 {
 			break
 		}
 		home := mix(kj^t.seed) & t.mask
 		if (j-home)&t.mask >= (j-i)&t.mask {
-			t.keys[i], t.vals[i] = kj, t.vals[j]
+			t.slots[i] = t.slots[j]
 			i = j
 		}
 	}
-	t.keys[i], t.vals[i] = 0, entry{}
-	if len(t.keys) > minTableCap && 8*t.n < len(t.keys) {
-		t.resize(len(t.keys) / 2)
+	t.slots[i] = slot{}
+	if len(t.slots) > minTableCap && 8*t.n < len(t.slots) {
+		t.resize(len(t.slots) / 2)
 	}
 }
 
 func (t *table) resize(capacity int) {
-	oldKeys, oldVals := t.keys, t.vals
-	t.keys = make([]uint64, capacity)
-	t.vals = make([]entry, capacity)
+	old := t.slots
+	t.slots = make([]slot, capacity)
 	t.mask = uint64(capacity - 1)
-	for i, k := range oldKeys {
-		if k == 0 {
+	for _, sl := range old {
+		if sl.key == 0 {
 			continue
 		}
-		j := mix(k^t.seed) & t.mask
-		for t.keys[j] != 0 {
+		j := mix(sl.key^t.seed) & t.mask
+		for t.slots[j].key != 0 {
 			j = (j + 1) & t.mask
 		}
-		t.keys[j], t.vals[j] = k, oldVals[i]
-	}
-}
-
-// each calls f for every key, in no particular order, until f returns
-// false. f must not modify the table.
-func (t *table) each(f func(k uint64, e *entry) bool) {
-	if t.hasZero && !f(0, &t.zero) {
-		return
-	}
-	for i, k := range t.keys {
-		if k != 0 && !f(k, &t.vals[i]) {
-			return
-		}
+		t.slots[j] = sl
 	}
 }
 

@@ -3,6 +3,7 @@ package kvindex
 import (
 	"math/rand/v2"
 	"testing"
+	"unsafe"
 )
 
 func TestFingerprintInverts(t *testing.T) {
@@ -23,5 +24,18 @@ func TestFingerprintInverts(t *testing.T) {
 	}
 	if _, ok := fingerprintOwner(fingerprint(2) + fingerprint(3)); ok {
 		t.Error("a sum of two fingerprints named a worker") // 2^-32 chance of a false failure
+	}
+}
+
+// The memory figures in the package documentation depend on these sizes.
+func TestLayout(t *testing.T) {
+	if got := unsafe.Sizeof(slot{}); got != 24 {
+		t.Errorf("slot is %d bytes, want 24", got)
+	}
+	if got := unsafe.Sizeof(qitem{}); got != 16 {
+		t.Errorf("qitem is %d bytes, want 16", got)
+	}
+	if got := unsafe.Sizeof(shard{}); got%64 != 0 {
+		t.Errorf("shard is %d bytes, not whole cache lines", got)
 	}
 }

@@ -46,6 +46,10 @@ func (s *Slot) Blocks() int64 { return s.blocks.Load() }
 // Requests is the number of in-flight requests.
 func (s *Slot) Requests() int64 { return s.requests.Load() }
 
+// CommonPrefix is the length of the longest common prefix of two chains of
+// block keys (see lcp).
+func CommonPrefix(a, b []uint64) int { return lcp(a, b) }
+
 // lcp is the length of the longest common prefix of two chains of keys.
 // Chained keys make the "equal at i" predicate monotone (true up to the
 // split, false after), so a binary search finds it.

@@ -78,7 +78,11 @@ func (p *Policy) Choose(s *routing.Scoring, _ bool) (routing.Choice, error) {
 		costs[i] = Cost(p.cfg.OverlapScoreWeight, s.ISL, s.BlockSize, &s.Candidates[i])
 	}
 	idx := Select(costs, s.Candidates, p.cfg.Temperature, s.Rand)
-	return routing.Choice{Index: idx, Ranked: Rank(costs, idx), Scores: costs}, nil
+	ch := routing.Choice{Index: idx, Scores: costs}
+	if s.WantRanked {
+		ch.Ranked = Rank(costs, idx)
+	}
+	return ch, nil
 }
 
 // Select picks the index of the lowest cost. At temperature 0, exact ties

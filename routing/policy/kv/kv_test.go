@@ -22,7 +22,7 @@ func TestDynamoDocExample(t *testing.T) {
 		cand(8, 0, 7, 2, 0), // prefill 2; decode 9
 	}
 	p, _ := New(DefaultConfig())
-	ch, err := p.Choose(&routing.Scoring{BlockSize: B, ISL: isl, Candidates: cs, Rand: routing.NewRand(1)}, true)
+	ch, err := p.Choose(&routing.Scoring{BlockSize: B, ISL: isl, Candidates: cs, Rand: routing.NewRand(1), WantRanked: true}, true)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -218,7 +218,7 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 		if p.prefixes != nil && p.cfg.Affinity.OutstandingWeight > 0 {
 			base += p.cfg.Affinity.OutstandingWeight * p.prefixes.Outstanding(c.Key())
 		}
-		costs[i] = p.sampleFactor(postKey{c.Key(), c.DPRank}, rng) * base
+		costs[i] = p.sampleFactor(c, rng) * base
 		if hasSess && sess.Reuse > 0 && sess.Last == c.Key() && (sess.LastRank == c.DPRank || c.DPRank < 0) {
 			costs[i] -= p.affinity(sess, s.Req.Hints.IAT) * promptBlocks
 		}
@@ -229,8 +229,11 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 		p.prefixes.Pin(s.Req, c.Key(), c.DPRank, sess.Reuse, float64(sess.Reuse)*(promptBlocks+outputBlocks(s.Req, bs)))
 	}
 	st := &decision{key: postKey{c.Key(), c.DPRank}, prefill: max(s.ISL-c.Overlap*s.BlockSize, 0)}
-	sticky := hasSess && sess.Last != "" && sess.Last == c.Key()
-	return routing.Choice{Index: idx, Ranked: kv.Rank(costs, idx), Scores: costs, State: st, Sticky: sticky}, nil
+	ch := routing.Choice{Index: idx, Scores: costs, State: st, Sticky: hasSess && sess.Last != "" && sess.Last == c.Key()}
+	if s.WantRanked {
+		ch.Ranked = kv.Rank(costs, idx)
+	}
+	return ch, nil
 }
 
 // outputBlocks estimates a request's generated blocks from its hints.
@@ -257,12 +260,30 @@ func (p *Policy) affinity(s Session, iat routing.Level) float64 {
 	return p.cfg.Affinity.Weight * r / (r + 1) * math.Exp(-s.Since.Seconds()/tau)
 }
 
-// sampleFactor draws a speed factor for k from its posterior (the prior for
+// belief returns the candidate's belief, from its memo (lock-free) or the
+// policy's map (then memoised); nil when nothing was learned yet.
+func (p *Policy) belief(c *routing.Candidate) *belief {
+	memo := c.Memo()
+	if v := memo.Load(); v != nil {
+		if b, ok := (*v).(*belief); ok {
+			return b
+		}
+	}
+	bi, ok := p.post.Load(postKey{c.Key(), c.DPRank})
+	if !ok {
+		return nil
+	}
+	var v any = bi
+	memo.Store(&v)
+	return bi.(*belief)
+}
+
+// sampleFactor draws a speed factor for c from its posterior (the prior for
 // an endpoint not seen yet).
-func (p *Policy) sampleFactor(k postKey, rng *rand.Rand) float64 {
+func (p *Policy) sampleFactor(c *routing.Candidate, rng *rand.Rand) float64 {
 	m, sd := 0.0, p.cfg.Speed.PriorSigma
-	if b, ok := p.post.Load(k); ok {
-		if v := b.(*belief).v.Load(); v != nil {
+	if b := p.belief(c); b != nil {
+		if v := b.v.Load(); v != nil {
 			m, sd = v.m, 1/math.Sqrt(v.p)
 		}
 	}
