@@ -91,6 +91,22 @@ type Deps struct {
 	OnDecision func(*Request, *Decision)
 	// OnDone, if set, is called after each Done with the outcome.
 	OnDone func(*Decision, Outcome)
+	// OnTimings, if set, receives the wall-clock cost of each committed
+	// decision's phases (measured with the monotonic clock, not Clock:
+	// this is routing overhead, not simulated time).
+	OnTimings func(Timings)
+}
+
+// Timings is the routing overhead of one decision, by phase.
+type Timings struct {
+	// Hash is computing the prompt's block keys.
+	Hash time.Duration
+	// Lookup is the KV index and in-flight walks for every candidate.
+	Lookup time.Duration
+	// Score is the policy's Choose.
+	Score time.Duration
+	// Total is the whole Pick (without admission waiting).
+	Total time.Duration
 }
 
 // Options are the engine's behaviour switches. The zero value is usable:
@@ -576,6 +592,12 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: e.clk.Now(), Candidates: make([]Candidate, 0, n), WantRanked: e.opts.Fallbacks > 0}
 	sb := e.bufs.Get().(*scratch)
 	defer e.bufs.Put(sb)
+	timed := commit && e.deps.OnTimings != nil
+	var tm Timings
+	var t0, tLook time.Time
+	if timed {
+		t0 = time.Now()
+	}
 	seed := kvindex.Seed(req.LoRA, req.CacheSalt)
 	var spaces [2]keySpace // almost always one block size; more spill to heap
 	spaceList := spaces[:0]
@@ -585,7 +607,14 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 				return &spaceList[i]
 			}
 		}
+		var th time.Time
+		if timed {
+			th = time.Now()
+		}
 		ks := keySpace{bs: bs, keys: kvindex.AppendBlockKeys(nil, req.Tokens, bs, seed)}
+		if timed {
+			tm.Hash += time.Since(th)
+		}
 		if len(spaceList) == 0 {
 			ks.index = e.index.Overlaps(bs, ks.keys, sb.index[:0])
 			sb.index = ks.index
@@ -626,7 +655,14 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		sc.BlockSize = spaceList[0].bs
 		sc.Blocks = spaceList[0].keys
 	}
+	if timed {
+		tLook = time.Now()
+		tm.Lookup = tLook.Sub(t0) - tm.Hash
+	}
 	ch, err := e.policy.Choose(sc, commit)
+	if timed {
+		tm.Score = time.Since(tLook)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -708,6 +744,10 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	})
 	if e.deps.OnDecision != nil {
 		e.deps.OnDecision(req, d)
+	}
+	if timed {
+		tm.Total = time.Since(t0)
+		e.deps.OnTimings(tm)
 	}
 	return d, nil
 }

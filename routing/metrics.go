@@ -2,14 +2,25 @@ package routing
 
 import "github.com/prometheus/client_golang/prometheus"
 
-// Collector exports the engine's per-endpoint counters. Series exist only
-// for endpoints of the current snapshot, so label values are bounded by
-// the endpoint set.
+// Collector exports the engine's per-endpoint counters and its index,
+// queue and sweeper statistics. Per-endpoint series exist only for
+// endpoints of the current snapshot, so label values are bounded by the
+// endpoint set.
 type Collector struct {
-	e         *Engine
-	inflight  *prometheus.Desc
-	decisions *prometheus.Desc
-	endpoints *prometheus.Desc
+	e             *Engine
+	inflight      *prometheus.Desc
+	decisions     *prometheus.Desc
+	endpoints     *prometheus.Desc
+	prefill       *prometheus.Desc
+	blocks        *prometheus.Desc
+	indexEntries  *prometheus.Desc
+	indexBlocks   *prometheus.Desc
+	indexEvents   *prometheus.Desc
+	indexDropped  *prometheus.Desc
+	expired       *prometheus.Desc
+	insertsDrop   *prometheus.Desc
+	queueDepth    *prometheus.Desc
+	queueOutcomes *prometheus.Desc
 }
 
 var _ prometheus.Collector = (*Collector)(nil)
@@ -17,18 +28,28 @@ var _ prometheus.Collector = (*Collector)(nil)
 // NewCollector returns a collector for e.
 func NewCollector(e *Engine) *Collector {
 	return &Collector{
-		e:         e,
-		inflight:  prometheus.NewDesc("kvbandit_endpoint_inflight", "Decisions on the endpoint whose outcome has not been reported yet.", []string{"endpoint"}, nil),
-		decisions: prometheus.NewDesc("kvbandit_endpoint_decisions_total", "Decisions made for the endpoint.", []string{"endpoint"}, nil),
-		endpoints: prometheus.NewDesc("kvbandit_endpoints", "Endpoints in the current set.", nil, nil),
+		e:             e,
+		inflight:      prometheus.NewDesc("kvbandit_endpoint_inflight", "Decisions on the endpoint whose outcome has not been reported yet.", []string{"endpoint"}, nil),
+		decisions:     prometheus.NewDesc("kvbandit_endpoint_decisions_total", "Decisions made for the endpoint.", []string{"endpoint"}, nil),
+		endpoints:     prometheus.NewDesc("kvbandit_endpoints", "Endpoints in the current set.", nil, nil),
+		prefill:       prometheus.NewDesc("kvbandit_endpoint_active_prefill_tokens", "Prompt tokens of in-flight requests not prefilled yet.", []string{"endpoint"}, nil),
+		blocks:        prometheus.NewDesc("kvbandit_endpoint_active_blocks", "Distinct KV blocks held by in-flight requests.", []string{"endpoint"}, nil),
+		indexEntries:  prometheus.NewDesc("kvbandit_index_entries", "(block, worker) entries in the KV index, by mode.", []string{"mode"}, nil),
+		indexBlocks:   prometheus.NewDesc("kvbandit_index_blocks", "Distinct blocks in the KV index.", nil, nil),
+		indexEvents:   prometheus.NewDesc("kvbandit_index_event_rejections_total", "KV events rejected or partly applied, by reason.", []string{"reason"}, nil),
+		indexDropped:  prometheus.NewDesc("kvbandit_index_approx_dropped_total", "Approximate entries dropped, by reason (ttl, pruned).", []string{"reason"}, nil),
+		expired:       prometheus.NewDesc("kvbandit_decisions_expired_total", "Decisions released by the sweeper because their outcome never came.", nil, nil),
+		insertsDrop:   prometheus.NewDesc("kvbandit_index_inserts_dropped_total", "Approximate index inserts dropped because the index goroutine fell behind.", nil, nil),
+		queueDepth:    prometheus.NewDesc("kvbandit_queue_depth", "Requests waiting in the admission queue.", nil, nil),
+		queueOutcomes: prometheus.NewDesc("kvbandit_queue_requests_total", "Admission queue results.", []string{"result"}, nil),
 	}
 }
 
 // Describe implements [prometheus.Collector].
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	ch <- c.inflight
-	ch <- c.decisions
-	ch <- c.endpoints
+	for _, d := range []*prometheus.Desc{c.inflight, c.decisions, c.endpoints, c.prefill, c.blocks, c.indexEntries, c.indexBlocks, c.indexEvents, c.indexDropped, c.expired, c.insertsDrop, c.queueDepth, c.queueOutcomes} {
+		ch <- d
+	}
 }
 
 // Collect implements [prometheus.Collector].
@@ -39,6 +60,30 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		k := string(st.Key)
 		ch <- prometheus.MustNewConstMetric(c.inflight, prometheus.GaugeValue, float64(st.InFlight.Load()), k)
 		ch <- prometheus.MustNewConstMetric(c.decisions, prometheus.CounterValue, float64(st.Decisions.Load()), k)
+		ch <- prometheus.MustNewConstMetric(c.prefill, prometheus.GaugeValue, float64(st.InFlightPrefill()), k)
+		var blocks int64
+		for _, b := range st.ActiveBlocks() {
+			blocks += b
+		}
+		ch <- prometheus.MustNewConstMetric(c.blocks, prometheus.GaugeValue, float64(blocks), k)
+	}
+	is := c.e.index.Stats()
+	ch <- prometheus.MustNewConstMetric(c.indexEntries, prometheus.GaugeValue, float64(is.ApproxEntries), "approximate")
+	ch <- prometheus.MustNewConstMetric(c.indexEntries, prometheus.GaugeValue, float64(is.Entries-is.ApproxEntries), "event")
+	ch <- prometheus.MustNewConstMetric(c.indexBlocks, prometheus.GaugeValue, float64(is.Blocks))
+	ch <- prometheus.MustNewConstMetric(c.indexEvents, prometheus.CounterValue, float64(is.UnknownParent), "unknown_parent")
+	ch <- prometheus.MustNewConstMetric(c.indexEvents, prometheus.CounterValue, float64(is.UnknownRemoved), "unknown_removed")
+	ch <- prometheus.MustNewConstMetric(c.indexEvents, prometheus.CounterValue, float64(is.Rejected), "rejected")
+	ch <- prometheus.MustNewConstMetric(c.indexDropped, prometheus.CounterValue, float64(is.Expired), "ttl")
+	ch <- prometheus.MustNewConstMetric(c.indexDropped, prometheus.CounterValue, float64(is.Pruned), "pruned")
+	ch <- prometheus.MustNewConstMetric(c.expired, prometheus.CounterValue, float64(c.e.Expired()))
+	ch <- prometheus.MustNewConstMetric(c.insertsDrop, prometheus.CounterValue, float64(c.e.DroppedInserts()))
+	if q := c.e.queue; q != nil {
+		qs := q.Stats()
+		ch <- prometheus.MustNewConstMetric(c.queueDepth, prometheus.GaugeValue, float64(qs.Depth))
+		for name, v := range map[string]uint64{"admitted_immediately": qs.AdmittedImmediately, "admitted_after_wait": qs.AdmittedAfterWait, "shed": qs.Shed, "full": qs.Full, "timed_out": qs.TimedOut, "cancelled": qs.Cancelled} {
+			ch <- prometheus.MustNewConstMetric(c.queueOutcomes, prometheus.CounterValue, float64(v), name)
+		}
 	}
 }
 

@@ -14,12 +14,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/kvbandit/kvbandit/envoy"
+	"github.com/kvbandit/kvbandit/routing"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -168,5 +170,96 @@ func TestServeLifecycle(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("serve did not stop")
+	}
+}
+
+func TestConfigNamesTheBadField(t *testing.T) {
+	cases := map[string]string{
+		"router:\n  block_size: 0\n":                  "router.block_size",
+		"router:\n  queue_policy: lifo\n":             "router.queue_policy",
+		"router:\n  prune_target_ratio: 1.5\n":        "router.prune_target_ratio",
+		"kv:\n  overlap_score_weight: -1\n":           "kv.overlap_score_weight",
+		"kvbandit:\n  speed:\n    forget: 2\n":        "kvbandit.speed.forget",
+		"thompson:\n  lints:\n    forget_rate: 1.5\n": "thompson.lints.forget_rate",
+		"thompson:\n  affinity:\n    base: -1\n":      "thompson.affinity.base",
+		"prefix_state:\n  max_entries: -5\n":          "prefix_state.max_entries",
+		"decision_log:\n  format: xml\n":              "decision_log.format",
+	}
+	for yaml, field := range cases {
+		_, err := ParseConfig([]byte(yaml))
+		if err == nil || !strings.Contains(err.Error(), field) {
+			t.Errorf("%q: error %v does not name %s", yaml, err, field)
+		}
+	}
+	c, err := ParseConfig([]byte("router:\n  block_size: 32\nthompson:\n  affinity:\n    base: 0.5\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Router.BlockSize != 32 || c.Thompson.Affinity.Base != 0.5 || c.Thompson.LinTS.Lambda == 0 || c.KVBandit.Speed.ObsSigma == 0 {
+		t.Fatalf("defaults lost or overrides ignored: %+v", c)
+	}
+}
+
+func TestRouterFlagsOverrideTheFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(path, []byte("router:\n  block_size: 32\n  queue_threshold: 2\n"), 0o644)
+	o := ServeOptions{ConfigPath: path, Router: RouterConfig{BlockSize: 64}, set: map[string]bool{"router-block-size": true}}
+	c, err := LoadConfig(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := o.applyFlags(c); err != nil {
+		t.Fatal(err)
+	}
+	if c.Router.BlockSize != 64 || c.Router.QueueThreshold != 2 {
+		t.Fatalf("router = %+v", c.Router)
+	}
+	o = ServeOptions{Router: RouterConfig{BlockSize: -1}, set: map[string]bool{"router-block-size": true}}
+	d := DefaultFileConfig()
+	if err := o.applyFlags(&d); err == nil {
+		t.Fatal("negative --router-block-size accepted")
+	}
+}
+
+// TestEveryPolicyServes starts the engine for each policy and routes a
+// request through its Pick, with the decision log on.
+func TestEveryPolicyServes(t *testing.T) {
+	for _, name := range []string{"kvbandit", "kv", "thompson", "round_robin", "least_loaded", "random"} {
+		t.Run(name, func(t *testing.T) {
+			cfg := DefaultFileConfig()
+			logPath := filepath.Join(t.TempDir(), "decisions.csv")
+			cfg.DecisionLog.Path = logPath
+			reg := prometheus.NewRegistry()
+			parts, err := buildEngine(ServeOptions{Policy: name, Seed: 3}, &cfg, slog.New(slog.DiscardHandler), reg, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			set, _ := routing.ParseEndpointList("127.0.0.1:8001,127.0.0.1:8002")
+			if err := parts.engine.Update(set); err != nil {
+				t.Fatal(err)
+			}
+			for i := range 3 {
+				r := &routing.Request{Model: "m", Tokens: []uint32{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17}, TokenCount: 17}
+				r.Hints.PrefixID = "session"
+				r.Hints.TotalRequests = 3
+				d, err := parts.engine.Pick(t.Context(), r)
+				if err != nil {
+					t.Fatal(err)
+				}
+				d.Done(routing.Outcome{Kind: routing.OutcomeSuccess, Latency: time.Duration(10+i) * time.Millisecond, CompletionTokens: 5, CachedTokens: 16})
+			}
+			if _, err := reg.Gather(); err != nil {
+				t.Fatal(err)
+			}
+			parts.close()
+			raw, err := os.ReadFile(logPath)
+			if err != nil {
+				t.Fatal(err)
+			}
+			lines := strings.Split(strings.TrimSpace(string(raw)), "\n")
+			if len(lines) != 4 || !strings.HasPrefix(lines[0], "ts_epoch_ms,tokens_len,prefix_id,reuse_after,chosen_worker") || !strings.Contains(lines[1], "session") {
+				t.Fatalf("decision log:\n%s", raw)
+			}
+		})
 	}
 }

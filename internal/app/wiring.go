@@ -13,6 +13,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/decisionlog"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
+	"github.com/kvbandit/kvbandit/routing/policy/thompson"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
@@ -37,6 +38,9 @@ type routingMetrics struct {
 	rewards        prometheus.Histogram
 	queueWait      prometheus.Histogram
 	outcomes       *prometheus.CounterVec
+	overhead       *prometheus.HistogramVec
+
+	phHash, phLookup, phScore, phTotal prometheus.Observer
 }
 
 func newRoutingMetrics(reg prometheus.Registerer) *routingMetrics {
@@ -63,7 +67,13 @@ func newRoutingMetrics(reg prometheus.Registerer) *routingMetrics {
 			Name: "kvbandit_session_decisions_total", Help: "Decisions of requests with a prefix id, by whether they stayed on the session's previous endpoint (sticky) or moved (switch).",
 		}, []string{"outcome"}),
 	}
-	reg.MustRegister(m.overlap, m.cachedPred, m.cachedReported, m.rewards, m.queueWait, m.outcomes)
+	m.overhead = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "kvbandit_routing_overhead_seconds", Help: "Routing cost per decision by phase: hash (block keys), lookup (KV index and in-flight walks), score (the policy), total.",
+		Buckets: []float64{1e-6, 2.5e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3},
+	}, []string{"phase"})
+	reg.MustRegister(m.overlap, m.cachedPred, m.cachedReported, m.rewards, m.queueWait, m.outcomes, m.overhead)
+	m.phHash, m.phLookup = m.overhead.WithLabelValues("hash"), m.overhead.WithLabelValues("lookup")
+	m.phScore, m.phTotal = m.overhead.WithLabelValues("score"), m.overhead.WithLabelValues("total")
 	return m
 }
 
@@ -123,6 +133,12 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 				dlog.Record(record(req, d))
 			}
 		},
+		OnTimings: func(tm routing.Timings) {
+			rm.phHash.Observe(tm.Hash.Seconds())
+			rm.phLookup.Observe(tm.Lookup.Seconds())
+			rm.phScore.Observe(tm.Score.Seconds())
+			rm.phTotal.Observe(tm.Total.Seconds())
+		},
 		OnDone: func(d *routing.Decision, out routing.Outcome) {
 			if out.CachedTokens >= 0 && out.Kind == routing.OutcomeSuccess {
 				rm.cachedPred.Add(float64(d.Overlap) * bs)
@@ -139,6 +155,9 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 	reg.MustRegister(routing.NewCollector(engine))
 	if kb, ok := pol.(*kvbandit.Policy); ok {
 		reg.MustRegister(posteriorCollector{kb})
+	}
+	if tp, ok := pol.(*thompson.Policy); ok {
+		reg.MustRegister(thompsonCollector{tp})
 	}
 	return parts, nil
 }
@@ -172,5 +191,32 @@ func (posteriorCollector) Describe(ch chan<- *prometheus.Desc) { ch <- posterior
 func (c posteriorCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, p := range c.p.Posteriors() {
 		ch <- prometheus.MustNewConstMetric(posteriorDesc, prometheus.GaugeValue, p.Factor, string(p.Endpoint), strconv.Itoa(p.DPRank))
+	}
+}
+
+// thompsonCollector exports the thompson policy's learning state.
+type thompsonCollector struct{ p *thompson.Policy }
+
+var (
+	thMeanDesc     = prometheus.NewDesc("kvbandit_thompson_beta_mean", "thompson's Beta posterior mean α/(α+β) per endpoint.", []string{"endpoint"}, nil)
+	thPendingDesc  = prometheus.NewDesc("kvbandit_thompson_pending_decisions", "thompson decisions awaiting an outcome.", nil, nil)
+	thTimeoutsDesc = prometheus.NewDesc("kvbandit_thompson_feedback_timeouts_total", "thompson decisions that learned the timeout reward.", nil, nil)
+	thPrefixDesc   = prometheus.NewDesc("kvbandit_prefix_state_entries", "Prefix (session) entries held.", nil, nil)
+)
+
+func (thompsonCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- thMeanDesc
+	ch <- thPendingDesc
+	ch <- thTimeoutsDesc
+	ch <- thPrefixDesc
+}
+
+func (c thompsonCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.p.Stats()
+	ch <- prometheus.MustNewConstMetric(thPendingDesc, prometheus.GaugeValue, float64(st.Pending))
+	ch <- prometheus.MustNewConstMetric(thTimeoutsDesc, prometheus.CounterValue, float64(st.Timeouts))
+	ch <- prometheus.MustNewConstMetric(thPrefixDesc, prometheus.GaugeValue, float64(st.PrefixEntries))
+	for _, e := range st.Endpoints {
+		ch <- prometheus.MustNewConstMetric(thMeanDesc, prometheus.GaugeValue, e.Mean, string(e.Endpoint))
 	}
 }
