@@ -25,6 +25,14 @@
 // decision whose endpoint was removed still decrements the right counter.
 // Randomness comes from [Rand], a lock-free seeded source.
 //
+// A decision hashes the prompt into chained block keys (routing/kvindex),
+// reads the KV index (sharded read locks) and each candidate's in-flight
+// load (routing/slots: one small lock per endpoint rank), and asks the
+// policy. Committing it charges the chosen rank's slot and, for endpoints
+// without KV events, queues an approximate index insert that the engine's
+// index goroutine applies (inline with Options.SyncIndex, for virtual-time
+// runs). The admission queue, when on, is the only place Pick may wait.
+//
 // # Lifecycle
 //
 // Pick increments the endpoint's in-flight count and returns a Decision.

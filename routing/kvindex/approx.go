@@ -97,7 +97,7 @@ func (ix *Index) InsertApprox(w WorkerID, blockSize int, keys []uint64, now time
 	}
 	for _, k := range keys {
 		h, sh := sp.locate(k)
-		sh.mu.Lock()
+		sh.lock()
 		isNew, old := sh.put(k, h, w, merge)
 		if isNew {
 			// Count under the shard lock, before an Apply of w can turn
@@ -107,7 +107,7 @@ func (ix *Index) InsertApprox(w WorkerID, blockSize int, keys []uint64, now time
 			wk.size.Add(1)
 			wk.approx.Add(1)
 		}
-		sh.mu.Unlock()
+		sh.unlock()
 		if !isNew && (old == 0 || old == st) {
 			continue // event-fed, or already queued at st
 		}
@@ -204,8 +204,8 @@ func (ix *Index) compactLocked(sp *space) {
 		sh.mu.RLock()
 		var st uint32
 		var ok bool
-		if e := sh.tab.ref(it.key, h); e != nil {
-			st, ok = sh.stampOf(e, it.worker)
+		if e, found := sh.tab.get(it.key, h); found {
+			st, ok = sh.stampOf(&e, it.worker)
 		}
 		sh.mu.RUnlock()
 		if ok && st == it.stamp {

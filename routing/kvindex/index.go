@@ -310,34 +310,41 @@ func (ix *Index) Overlaps(blockSize int, keys []uint64, dst []Match) []Match {
 	sh.mu.RUnlock()
 	// The active workers are those of ms with Blocks still 0: active counts
 	// them and sum adds their fingerprints. A key whose workers have the
-	// same sum changes nothing, which is the common case: a spilled entry
-	// stores its sum, and an inline one equal to the last inline entry
-	// that matched the active set is recognised by one compare.
+	// same sum changes nothing, which is the common case, decided from a
+	// lock-free peek: a spilled entry stores its sum, and an inline one
+	// equal to the last inline entry that matched the active set (same) is
+	// recognised by one compare. Only a change takes the shard's read lock.
 	ms := dst[base:]
 	active := len(ms)
 	last, same := e.ids, e.ids[0] != spillTag
 	i := 1
 	for ; i < len(keys) && active > 0; i++ {
 		h, sh := sp.locate(keys[i])
+		if e, found, ok := sh.peek(keys[i], h); ok {
+			if !found {
+				break
+			}
+			if e.ids[0] == spillTag {
+				if e.spillSum() == sum {
+					continue
+				}
+			} else if same && e.ids == last {
+				continue
+			} else if inlineSum(&e) == sum {
+				last, same = e.ids, true
+				continue
+			}
+		}
 		sh.mu.RLock()
-		e, ok := sh.tab.get(keys[i], h)
-		if !ok {
+		e, found := sh.tab.get(keys[i], h)
+		if !found {
 			sh.mu.RUnlock()
 			break
 		}
-		var esum uint64
 		inline := e.ids[0] != spillTag
+		esum := e.spillSum()
 		if inline {
-			if same && e.ids == last {
-				sh.mu.RUnlock()
-				continue
-			}
-			esum = fingerprint(e.ids[0])
-			if e.ids[1] != 0 {
-				esum += fingerprint(e.ids[1])
-			}
-		} else {
-			esum = e.spillSum()
+			esum = inlineSum(&e)
 		}
 		if esum != sum {
 			active, sum = retain(sh, &e, ms, esum, i, active, sum)
@@ -351,6 +358,14 @@ func (ix *Index) Overlaps(blockSize int, keys []uint64, dst []Match) []Match {
 		}
 	}
 	return dst
+}
+
+func inlineSum(e *entry) uint64 {
+	sum := fingerprint(e.ids[0])
+	if e.ids[1] != 0 {
+		sum += fingerprint(e.ids[1])
+	}
+	return sum
 }
 
 // retain ends, at depth, the run of every active match whose worker does
@@ -436,8 +451,8 @@ func (ix *Index) Stats() Stats {
 // store makes wk hold key k as an event-fed entry.
 func (ix *Index) store(sp *space, wk *worker, k uint64) {
 	h, sh := sp.locate(k)
-	sh.mu.Lock()
-	defer sh.mu.Unlock() // counters move with the entry, so they never go negative
+	sh.lock()
+	defer sh.unlock() // counters move with the entry, so they never go negative
 	added, old := sh.put(k, h, wk.id, eventStamp)
 	switch {
 	case added:
@@ -455,8 +470,8 @@ func eventStamp(uint32, bool) uint32 { return 0 }
 // it did.
 func (ix *Index) unhold(sp *space, wk *worker, k uint64, keep func(uint32) bool) bool {
 	h, sh := sp.locate(k)
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
+	sh.lock()
+	defer sh.unlock()
 	removed, stamp := sh.drop(k, h, wk.id, keep)
 	if removed {
 		ix.entries.Add(-1)

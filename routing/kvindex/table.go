@@ -3,6 +3,7 @@ package kvindex
 import (
 	"slices"
 	"sync"
+	"sync/atomic"
 )
 
 const (
@@ -43,28 +44,90 @@ type spill struct {
 // beside the slots. A slot holds its key and entry together, so a lookup
 // touches one cache line. Slots are found by h = mix(key ^ seed); callers
 // pass h so it is computed once per key.
+//
+// Writers hold the shard's mutex. They read slots plainly but store every
+// word of a published array atomically, and replace the array (on resize)
+// through pub, so that peek can read without the lock.
 type table struct {
-	slots   []slot
-	mask    uint64
+	cur     *slotArray // nil until the first insert
+	pub     atomic.Pointer[slotArray]
 	n       int // keys held, the zero key included
 	seed    uint64
 	hasZero bool
 	zero    entry
 }
 
+// slotArray is a table's slots with their mask. The header never changes
+// once published; the slots' words do, atomically.
+type slotArray struct {
+	mask  uint64
+	slots []slot
+}
+
+// slot is a key (0: empty) and its entry packed in two words: ids[0] |
+// ids[1]<<32 and stamps[0] | stamps[1]<<32.
 type slot struct {
-	key uint64 // 0: empty
-	e   entry
+	key, ids, stamps uint64
+}
+
+func pack(e entry) (ids, stamps uint64) {
+	return uint64(e.ids[0]) | uint64(e.ids[1])<<32, uint64(e.stamps[0]) | uint64(e.stamps[1])<<32
+}
+
+func unpack(ids, stamps uint64) entry {
+	return entry{
+		ids:    [inlineIDs]WorkerID{WorkerID(ids), WorkerID(ids >> 32)},
+		stamps: [inlineIDs]uint32{uint32(stamps), uint32(stamps >> 32)},
+	}
 }
 
 // shard is one lock's worth of a space: a table plus the spill records of
-// its entries. Readers take mu.RLock for one key at a time.
+// its entries. Writers lock mu and keep seq odd while they write (see
+// lock); Overlaps reads a key optimistically with peek and falls back to
+// mu.RLock when a writer was active or the entry's spill record is needed.
 type shard struct {
 	mu     sync.RWMutex
+	seq    atomic.Uint64
 	tab    table
 	spills []spill
 	free   []uint32
-	_      [48]byte // pads a shard to 192 bytes: whole cache lines, no lock shared with a neighbour
+	_      [56]byte // pads a shard to 192 bytes: whole cache lines, no lock shared with a neighbour
+}
+
+func (s *shard) lock() {
+	s.mu.Lock()
+	s.seq.Add(1)
+}
+
+func (s *shard) unlock() {
+	s.seq.Add(1)
+	s.mu.Unlock()
+}
+
+// peek looks k up without locking. ok is false when a writer was active
+// meanwhile (the caller then locks); otherwise e and found are a
+// consistent reading of the key's entry.
+func (s *shard) peek(k, h uint64) (e entry, found, ok bool) {
+	s1 := s.seq.Load()
+	if s1&1 != 0 || k == 0 {
+		return entry{}, false, false
+	}
+	if a := s.tab.pub.Load(); a != nil {
+		// The array always has empty slots (load <= 3/4), so the probe
+		// ends even on a torn reading, which the seq check then rejects.
+		for i := h & a.mask; ; i = (i + 1) & a.mask {
+			sl := &a.slots[i]
+			kk := atomic.LoadUint64(&sl.key)
+			if kk == k {
+				e, found = unpack(atomic.LoadUint64(&sl.ids), atomic.LoadUint64(&sl.stamps)), true
+				break
+			}
+			if kk == 0 {
+				break
+			}
+		}
+	}
+	return e, found, s.seq.Load() == s1
 }
 
 // mix is the splitmix64 finalizer, a bijection with full avalanche.
@@ -101,66 +164,78 @@ func fingerprintOwner(f uint64) (WorkerID, bool) {
 	return WorkerID(w), w != 0 && w < uint64(spillTag)
 }
 
+// get returns the entry of k. The caller holds the shard's lock (read or
+// write).
 func (t *table) get(k, h uint64) (entry, bool) {
-	if k == 0 {
-		return t.zero, t.hasZero
+	if i, ok := t.find(k, h); ok {
+		return t.at(i), true
 	}
-	for i := h & t.mask; int(i) < len(t.slots); i = (i + 1) & t.mask {
-		sl := &t.slots[i]
-		switch sl.key {
-		case k:
-			return sl.e, true
-		case 0:
-			return entry{}, false
-		}
-	}
-	return entry{}, false // no slots yet
+	return entry{}, false
 }
 
-// ref returns the entry of k, or nil. The pointer is valid until the next
-// upsert or remove.
-func (t *table) ref(k, h uint64) *entry {
+// find returns the slot of k, or -1 for the zero key.
+func (t *table) find(k, h uint64) (int, bool) {
 	if k == 0 {
-		if t.hasZero {
-			return &t.zero
-		}
-		return nil
+		return -1, t.hasZero
 	}
-	for i := h & t.mask; int(i) < len(t.slots); i = (i + 1) & t.mask {
-		sl := &t.slots[i]
-		switch sl.key {
+	a := t.cur
+	if a == nil {
+		return 0, false
+	}
+	for i := h & a.mask; ; i = (i + 1) & a.mask {
+		switch a.slots[i].key {
 		case k:
-			return &sl.e
+			return int(i), true
 		case 0:
-			return nil
+			return 0, false
 		}
 	}
-	return nil
 }
 
-// upsert returns the entry of k, creating an empty one if needed.
-func (t *table) upsert(k, h uint64) *entry {
+func (t *table) at(i int) entry {
+	if i < 0 {
+		return t.zero
+	}
+	sl := &t.cur.slots[i]
+	return unpack(sl.ids, sl.stamps)
+}
+
+// set stores e in slot i (from find or upsert).
+func (t *table) set(i int, e entry) {
+	if i < 0 {
+		t.zero = e
+		return
+	}
+	ids, stamps := pack(e)
+	sl := &t.cur.slots[i]
+	atomic.StoreUint64(&sl.ids, ids)
+	atomic.StoreUint64(&sl.stamps, stamps)
+}
+
+// upsert returns the slot of k, adding k with an empty entry if needed.
+func (t *table) upsert(k, h uint64) int {
 	if k == 0 {
 		if !t.hasZero {
 			t.hasZero, t.zero = true, entry{}
 			t.n++
 		}
-		return &t.zero
+		return -1
 	}
-	if t.slots == nil {
+	if t.cur == nil {
 		t.resize(minTableCap)
-	} else if 4*(t.n+1) > 3*len(t.slots) {
-		t.resize(2 * len(t.slots))
+	} else if 4*(t.n+1) > 3*len(t.cur.slots) {
+		t.resize(2 * len(t.cur.slots))
 	}
-	for i := h & t.mask; ; i = (i + 1) & t.mask {
-		sl := &t.slots[i]
-		switch sl.key {
+	a := t.cur
+	for i := h & a.mask; ; i = (i + 1) & a.mask {
+		switch a.slots[i].key {
 		case k:
-			return &sl.e
+			return int(i)
 		case 0:
-			*sl = slot{key: k}
+			// Empty slots have zero entries, so storing the key suffices.
+			atomic.StoreUint64(&a.slots[i].key, k)
 			t.n++
-			return &sl.e
+			return int(i)
 		}
 	}
 }
@@ -172,44 +247,55 @@ func (t *table) remove(k, h uint64) {
 		t.hasZero, t.zero = false, entry{}
 		return
 	}
-	i := h & t.mask
-	for t.slots[i].key != k {
-		i = (i + 1) & t.mask
+	a := t.cur
+	i := h & a.mask
+	for a.slots[i].key != k {
+		i = (i + 1) & a.mask
 	}
 	// Backward shift: pull later members of the probe run into the hole
 	// when the hole lies between their home slot and where they sit.
 	for j := i; ; {
-		j = (j + 1) & t.mask
-		kj := t.slots[j].key
+		j = (j + 1) & a.mask
+		kj := a.slots[j].key
 		if kj == 0 {
 			break
 		}
-		home := mix(kj^t.seed) & t.mask
-		if (j-home)&t.mask >= (j-i)&t.mask {
-			t.slots[i] = t.slots[j]
+		home := mix(kj^t.seed) & a.mask
+		if (j-home)&a.mask >= (j-i)&a.mask {
+			storeSlot(&a.slots[i], a.slots[j])
 			i = j
 		}
 	}
-	t.slots[i] = slot{}
-	if len(t.slots) > minTableCap && 8*t.n < len(t.slots) {
-		t.resize(len(t.slots) / 2)
+	storeSlot(&a.slots[i], slot{})
+	if len(a.slots) > minTableCap && 8*t.n < len(a.slots) {
+		t.resize(len(a.slots) / 2)
 	}
 }
 
+func storeSlot(dst *slot, src slot) {
+	atomic.StoreUint64(&dst.key, src.key)
+	atomic.StoreUint64(&dst.ids, src.ids)
+	atomic.StoreUint64(&dst.stamps, src.stamps)
+}
+
+// resize moves the keys to a new array, filled before it is published, so
+// that readers of the old array see it unchanged.
 func (t *table) resize(capacity int) {
-	old := t.slots
-	t.slots = make([]slot, capacity)
-	t.mask = uint64(capacity - 1)
-	for _, sl := range old {
-		if sl.key == 0 {
-			continue
+	na := &slotArray{mask: uint64(capacity - 1), slots: make([]slot, capacity)}
+	if t.cur != nil {
+		for _, sl := range t.cur.slots {
+			if sl.key == 0 {
+				continue
+			}
+			j := mix(sl.key^t.seed) & na.mask
+			for na.slots[j].key != 0 {
+				j = (j + 1) & na.mask
+			}
+			na.slots[j] = sl
 		}
-		j := mix(sl.key^t.seed) & t.mask
-		for t.slots[j].key != 0 {
-			j = (j + 1) & t.mask
-		}
-		t.slots[j] = sl
 	}
+	t.cur = na
+	t.pub.Store(na)
 }
 
 // members returns the workers of e, ascending, and the sum of their
@@ -248,8 +334,12 @@ func (s *shard) stampOf(e *entry, w WorkerID) (uint32, bool) {
 
 // put makes w hold key k with the stamp chosen by merge(old, present), and
 // reports whether w was added and its stamp before (0 when added).
+// The caller holds s.lock.
 func (s *shard) put(k, h uint64, w WorkerID, merge func(old uint32, present bool) uint32) (added bool, old uint32) {
-	e := s.tab.upsert(k, h)
+	si := s.tab.upsert(k, h)
+	ev := s.tab.at(si)
+	e := &ev
+	defer func() { s.tab.set(si, ev) }()
 	if e.ids[0] == spillTag {
 		sp := &s.spills[e.stamps[0]]
 		i, ok := slices.BinarySearch(sp.ids, w)
@@ -302,11 +392,14 @@ func (s *shard) put(k, h uint64, w WorkerID, merge func(old uint32, present bool
 
 // drop removes w from key k if keep(stamp) is false, and reports whether it
 // did and w's stamp. The key goes when its last worker does.
+// The caller holds s.lock.
 func (s *shard) drop(k, h uint64, w WorkerID, keep func(stamp uint32) bool) (removed bool, stamp uint32) {
-	e := s.tab.ref(k, h)
-	if e == nil {
+	si, ok := s.tab.find(k, h)
+	if !ok {
 		return false, 0
 	}
+	ev := s.tab.at(si)
+	e := &ev
 	if e.ids[0] == spillTag {
 		idx := e.stamps[0]
 		sp := &s.spills[idx]
@@ -325,6 +418,7 @@ func (s *shard) drop(k, h uint64, w WorkerID, keep func(stamp uint32) bool) (rem
 			*e = in
 			s.freeSpill(idx)
 		}
+		s.tab.set(si, ev)
 		return true, stamp
 	}
 	for i, id := range e.ids {
@@ -340,6 +434,8 @@ func (s *shard) drop(k, h uint64, w WorkerID, keep func(stamp uint32) bool) (rem
 		e.ids[inlineIDs-1], e.stamps[inlineIDs-1] = 0, 0
 		if e.ids[0] == 0 {
 			s.tab.remove(k, h)
+		} else {
+			s.tab.set(si, ev)
 		}
 		return true, stamp
 	}
