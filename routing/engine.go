@@ -1,6 +1,7 @@
 package routing
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -621,6 +622,11 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		} else {
 			ks.index = e.index.Overlaps(bs, ks.keys, nil)
 		}
+		// Candidates find their overlap by binary search on the worker id.
+		byWorker := func(a, b kvindex.Match) int { return cmp.Compare(a.Worker, b.Worker) }
+		if !slices.IsSortedFunc(ks.index, byWorker) {
+			slices.SortFunc(ks.index, byWorker)
+		}
 		spaceList = append(spaceList, ks)
 		return &spaceList[len(spaceList)-1]
 	}
@@ -632,11 +638,8 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 			if len(st.ranks) > 1 {
 				c.DPRank = r
 			}
-			for _, m := range ks.index {
-				if m.Worker == rs.worker {
-					c.Overlap = m.Blocks
-					break
-				}
+			if i, found := slices.BinarySearchFunc(ks.index, rs.worker, func(m kvindex.Match, w kvindex.WorkerID) int { return cmp.Compare(m.Worker, w) }); found {
+				c.Overlap = ks.index[i].Blocks
 			}
 			if c.Overlap > 0 || len(ks.index) > 0 {
 				c.TreeSize = e.index.Size(rs.worker)

@@ -316,22 +316,32 @@ func (ix *Index) Overlaps(blockSize int, keys []uint64, dst []Match) []Match {
 	// recognised by one compare. Only a change takes the shard's read lock.
 	ms := dst[base:]
 	active := len(ms)
-	last, same := e.ids, e.ids[0] != spillTag
+	last, _ := pack(e)
+	same := e.ids[0] != spillTag
 	i := 1
 	for ; i < len(keys) && active > 0; i++ {
 		h, sh := sp.locate(keys[i])
-		if e, found, ok := sh.peek(keys[i], h); ok {
+		if ids, stamps, found, ok := sh.peek(keys[i], h); ok {
 			if !found {
 				break
 			}
-			if e.ids[0] == spillTag {
-				if e.spillSum() == sum {
-					continue
-				}
-			} else if same && e.ids == last {
+			inline := !spilledWord(ids)
+			if inline && same && ids == last {
 				continue
-			} else if inlineSum(&e) == sum {
-				last, same = e.ids, true
+			}
+			var esum uint64
+			if inline {
+				esum = inlineSumWord(ids)
+			} else {
+				esum = spillSumWords(ids, stamps)
+			}
+			if esum == sum {
+				last, same = ids, inline
+				continue
+			}
+			if dropOne(ms, sum-esum, i) {
+				active, sum = active-1, esum
+				last, same = ids, inline
 				continue
 			}
 		}
@@ -341,6 +351,7 @@ func (ix *Index) Overlaps(blockSize int, keys []uint64, dst []Match) []Match {
 			sh.mu.RUnlock()
 			break
 		}
+		ids, _ := pack(e)
 		inline := e.ids[0] != spillTag
 		esum := e.spillSum()
 		if inline {
@@ -350,7 +361,7 @@ func (ix *Index) Overlaps(blockSize int, keys []uint64, dst []Match) []Match {
 			active, sum = retain(sh, &e, ms, esum, i, active, sum)
 		}
 		sh.mu.RUnlock()
-		last, same = e.ids, inline && esum == sum
+		last, same = ids, inline && esum == sum
 	}
 	for j := range ms {
 		if ms[j].Blocks == 0 {
@@ -361,32 +372,40 @@ func (ix *Index) Overlaps(blockSize int, keys []uint64, dst []Match) []Match {
 }
 
 func inlineSum(e *entry) uint64 {
-	sum := fingerprint(e.ids[0])
-	if e.ids[1] != 0 {
-		sum += fingerprint(e.ids[1])
+	ids, _ := pack(*e)
+	return inlineSumWord(ids)
+}
+
+// dropOne ends, at depth, the run of the active match whose fingerprint is
+// diff, if there is one: when the active set's sum exceeds a key's by
+// exactly one active worker's fingerprint, that worker is the only one
+// missing from the key (see fingerprint).
+func dropOne(ms []Match, diff uint64, depth int) bool {
+	w, ok := fingerprintOwner(diff)
+	if !ok {
+		return false
 	}
-	return sum
+	lo, hi := 0, len(ms) // ms is sorted by worker
+	for lo < hi {
+		if mid := int(uint(lo+hi) >> 1); ms[mid].Worker < w {
+			lo = mid + 1
+		} else {
+			hi = mid
+		}
+	}
+	if lo < len(ms) && ms[lo].Worker == w && ms[lo].Blocks == 0 {
+		ms[lo].Blocks = depth
+		return true
+	}
+	return false
 }
 
 // retain ends, at depth, the run of every active match whose worker does
 // not hold e (sum esum), and returns the new active count and sum. The
 // caller holds sh's read lock.
 func retain(sh *shard, e *entry, ms []Match, esum uint64, depth, active int, sum uint64) (int, uint64) {
-	// If the sums differ by one active worker's fingerprint, that worker
-	// is the only one gone (see fingerprint).
-	if w, ok := fingerprintOwner(sum - esum); ok {
-		lo, hi := 0, len(ms) // ms is sorted by worker
-		for lo < hi {
-			if mid := int(uint(lo+hi) >> 1); ms[mid].Worker < w {
-				lo = mid + 1
-			} else {
-				hi = mid
-			}
-		}
-		if lo < len(ms) && ms[lo].Worker == w && ms[lo].Blocks == 0 {
-			ms[lo].Blocks = depth
-			return active - 1, esum
-		}
+	if dropOne(ms, sum-esum, depth) {
+		return active - 1, esum
 	}
 	ids, _ := sh.members(e)
 	p := 0

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -202,6 +203,9 @@ func TestApplyRejects(t *testing.T) {
 	orphan := storedChain(tokens, bs, 2, 4, 0)
 	dup := storedChain(tokens, bs, 0, 4, 0)
 	dup.Blocks[3].EngineHash = dup.Blocks[1].EngineHash
+	long := prompt(50, 100*bs)
+	longDup := storedChain(long, bs, 0, 100, 0)
+	longDup.Blocks[99].EngineHash = longDup.Blocks[7].EngineHash
 	selfParent := storedChain(tokens, bs, 1, 3, 0)
 	selfParent.Parent = selfParent.Blocks[1].EngineHash
 	tests := []struct {
@@ -216,6 +220,7 @@ func TestApplyRejects(t *testing.T) {
 		{"unknown parent", orphan, ErrUnknownParent, Stats{UnknownParent: 1}},
 		{"repeated engine hash", dup, ErrInvalidEvent, Stats{Rejected: 1}},
 		{"own parent", selfParent, ErrInvalidEvent, Stats{Rejected: 1}},
+		{"repeated engine hash in a long event", longDup, ErrInvalidEvent, Stats{Rejected: 1}},
 		{"unknown kind", Event{Kind: 9}, ErrInvalidEvent, Stats{Rejected: 1}},
 	}
 	for _, tt := range tests {
@@ -237,6 +242,12 @@ func TestApplyRejects(t *testing.T) {
 		})
 	}
 	ix, _ := newTestIndex(t, Options{})
+	if err := ix.Apply(ix.Worker("long", 0), storedChain(long, bs, 0, 100, 0)); err != nil {
+		t.Errorf("a long event of distinct hashes: %v", err)
+	}
+	if err := ix.Apply(ix.Worker("long", 0), Event{Kind: 7}); err == nil || !strings.Contains(err.Error(), "EventKind(7)") {
+		t.Errorf("unknown kind error %v", err)
+	}
 	if err := ix.Apply(0, good); !errors.Is(err, ErrUnknownWorker) {
 		t.Errorf("Apply(0) = %v", err)
 	}

@@ -104,13 +104,14 @@ func (s *shard) unlock() {
 	s.mu.Unlock()
 }
 
-// peek looks k up without locking. ok is false when a writer was active
-// meanwhile (the caller then locks); otherwise e and found are a
-// consistent reading of the key's entry.
-func (s *shard) peek(k, h uint64) (e entry, found, ok bool) {
+// peek looks k up without locking and returns its entry's packed words
+// (see slot). ok is false when a writer was active meanwhile (the caller
+// then locks); otherwise the words and found are a consistent reading.
+// Words, not an entry, keep the hot path free of store-forwarding stalls.
+func (s *shard) peek(k, h uint64) (ids, stamps uint64, found, ok bool) {
 	s1 := s.seq.Load()
 	if s1&1 != 0 || k == 0 {
-		return entry{}, false, false
+		return 0, 0, false, false
 	}
 	if a := s.tab.pub.Load(); a != nil {
 		// The array always has empty slots (load <= 3/4), so the probe
@@ -119,7 +120,7 @@ func (s *shard) peek(k, h uint64) (e entry, found, ok bool) {
 			sl := &a.slots[i]
 			kk := atomic.LoadUint64(&sl.key)
 			if kk == k {
-				e, found = unpack(atomic.LoadUint64(&sl.ids), atomic.LoadUint64(&sl.stamps)), true
+				ids, stamps, found = atomic.LoadUint64(&sl.ids), atomic.LoadUint64(&sl.stamps), true
 				break
 			}
 			if kk == 0 {
@@ -127,7 +128,20 @@ func (s *shard) peek(k, h uint64) (e entry, found, ok bool) {
 			}
 		}
 	}
-	return e, found, s.seq.Load() == s1
+	return ids, stamps, found, s.seq.Load() == s1
+}
+
+// Packed-word views of an entry, for peek's callers.
+func spilledWord(ids uint64) bool { return WorkerID(ids) == spillTag }
+
+func spillSumWords(ids, stamps uint64) uint64 { return ids>>32 | stamps&^0xffffffff }
+
+func inlineSumWord(ids uint64) uint64 {
+	sum := fingerprint(WorkerID(ids))
+	if w := WorkerID(ids >> 32); w != 0 {
+		sum += fingerprint(w)
+	}
+	return sum
 }
 
 // mix is the splitmix64 finalizer, a bijection with full avalanche.

@@ -70,9 +70,12 @@ func lcp(a, b []uint64) int {
 // skip. s.mu is held.
 func (s *Slot) maxLCP(keys []uint64, skip *Entry) int {
 	best := 0
+	if len(keys) == 0 {
+		return 0
+	}
 	for _, e := range s.entries {
-		if e == skip || len(e.keys) <= best {
-			continue
+		if e == skip || len(e.keys) <= best || e.keys[0] != keys[0] {
+			continue // cannot beat best, or shares no block at all
 		}
 		if n := lcp(keys, e.keys); n > best {
 			best = n
