@@ -45,7 +45,7 @@ bench: ## benchmarks for benchstat: make bench > new.txt; benchstat old.txt new.
 
 .PHONY: fuzz
 fuzz: ## run each fuzz target for FUZZTIME (default 30s)
-	@for pkg in ./extproc/openai ./extproc/hints; do \
+	@for pkg in ./extproc ./extproc/openai ./extproc/hints ./routing/kvindex; do \
 	  for f in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
 	    echo "== $$pkg $$f"; $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $${FUZZTIME:-30s} $$pkg || exit 1; \
 	  done; \

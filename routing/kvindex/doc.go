@@ -36,12 +36,19 @@
 // # Concurrency
 //
 // Everything is safe for concurrent use. Each key space has 64 shards, each
-// an open-addressing hash table behind a sync.RWMutex, chosen by a keyed mix
-// of the key. Overlaps holds one shard's read lock per key, for a table
-// probe, so it runs beside writers and sees each key's workers atomically but
-// not a whole event at once. Writers lock one shard per key. The worker
-// registry and the list of key spaces are copy-on-write behind atomic
-// pointers, so Overlaps and Size take no other lock.
+// an open-addressing hash table behind a sync.RWMutex and a sequence
+// counter, chosen by a keyed mix of the key. Writers lock one shard per key
+// and keep its counter odd while they write, storing slot words atomically.
+// Overlaps reads each key without locking (a seqlock: read the counter, the
+// slot, the counter again) and decides from those words alone whether the
+// key changes the set of workers still matching: sets are compared by a
+// 64-bit sum of per-worker fingerprints, stored in spilled entries, and
+// equal sums are taken as equal sets (a 2^-64 event). It takes the shard's
+// read lock only when it met a writer mid-write or must list a spilled
+// entry's workers. So Overlaps writes no shared memory in the common case
+// and sees each key's workers atomically, but not a whole event at once. The worker registry and the list of key
+// spaces are copy-on-write behind atomic pointers, so Overlaps and Size
+// take no other lock.
 //
 // Apply serialises on a per-worker mutex. Events of one worker must be
 // applied in the engine's order, so a caller feeds each worker's events from

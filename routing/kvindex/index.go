@@ -285,8 +285,9 @@ func (sp *space) locate(k uint64) (uint64, *shard) {
 // only later keys is left out, like one holding none. It allocates only
 // when dst lacks capacity.
 //
-// Overlaps takes one shard read lock at a time, so it runs beside writers;
-// a Stored event applied meanwhile may be seen in part.
+// Overlaps reads without locking in the common case (see the package
+// documentation) and runs beside writers; a Stored event applied meanwhile
+// may be seen in part.
 func (ix *Index) Overlaps(blockSize int, keys []uint64, dst []Match) []Match {
 	if len(keys) == 0 {
 		return dst

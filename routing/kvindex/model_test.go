@@ -535,3 +535,77 @@ func TestConcurrentReadersAndWriters(t *testing.T) {
 		t.Errorf("approximate entries %d above the cap", st.ApproxEntries)
 	}
 }
+
+// TestOverlapsStableUnderWrites checks that lock-free reads never see a
+// torn entry: a worker holding a whole chain must score it fully while
+// other workers join and leave the same keys (entries spill and shrink
+// back) and unrelated keys grow and shrink the tables. Run with -race.
+func TestOverlapsStableUnderWrites(t *testing.T) {
+	const bs, n = 2, 64
+	tokens := prompt(80, n*bs)
+	keys := AppendBlockKeys(nil, tokens, bs, BaseSeed)
+	ix, _ := newTestIndex(t, Options{})
+	anchor := ix.Worker("anchor", 0)
+	mustApply(t, ix, anchor, storedChain(tokens, bs, 0, n, 0))
+
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range 3 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			w := ix.Worker(fmt.Sprintf("churn-%d", i), 0)
+			for j := 0; ; j++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if err := ix.Apply(w, storedChain(tokens, bs, 0, 1+j%n, 0)); err != nil {
+					t.Error(err)
+					return
+				}
+				_ = ix.Apply(w, Event{Kind: Cleared})
+			}
+		}()
+	}
+	wg.Add(1)
+	go func() { // grow and shrink every shard's table
+		defer wg.Done()
+		w := ix.Worker("filler", 0)
+		filler := prompt(81, 4096*bs)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if err := ix.Apply(w, storedChain(filler, bs, 0, 4096, 1<<40)); err != nil {
+				t.Error(err)
+				return
+			}
+			_ = ix.Apply(w, Event{Kind: Cleared})
+		}
+	}()
+	var dst []Match
+	for range 3000 {
+		dst = ix.Overlaps(bs, keys, dst[:0])
+		found := false
+		for _, m := range dst {
+			if m.Blocks < 1 || m.Blocks > n {
+				t.Fatalf("match %+v", m)
+			}
+			if m.Worker == anchor {
+				found = true
+				if m.Blocks != n {
+					t.Fatalf("anchor scored %d of %d", m.Blocks, n)
+				}
+			}
+		}
+		if !found {
+			t.Fatal("anchor missing")
+		}
+	}
+	close(stop)
+	wg.Wait()
+}

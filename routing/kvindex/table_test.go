@@ -39,3 +39,28 @@ func TestLayout(t *testing.T) {
 		t.Errorf("shard is %d bytes, not whole cache lines", got)
 	}
 }
+
+// TestPeekDefersToWriters pins the optimistic-read protocol: a peek that
+// overlaps a write section reports !ok, so Overlaps takes the read lock.
+func TestPeekDefersToWriters(t *testing.T) {
+	ix, v := newTestIndex(t, Options{})
+	w := ix.Worker("a", 0)
+	keys := AppendBlockKeys(nil, prompt(90, 8), 4, BaseSeed)
+	mustInsert(t, ix, w, 4, keys, v.Now())
+	h, sh := ix.space(4).locate(keys[1])
+	ids, _, found, ok := sh.peek(keys[1], h)
+	if !ok || !found || WorkerID(ids) != w {
+		t.Fatalf("peek = %x, %v, %v", ids, found, ok)
+	}
+	if _, _, found, ok := sh.peek(keys[1]+1, h); !ok || found {
+		t.Fatalf("peek of an absent key = %v, %v", found, ok)
+	}
+	sh.lock()
+	if _, _, _, ok := sh.peek(keys[1], h); ok {
+		t.Error("peek during a write section reported a consistent reading")
+	}
+	sh.unlock()
+	if _, _, _, ok := sh.peek(0, 0); ok {
+		t.Error("the zero key must be read under the lock")
+	}
+}
