@@ -323,6 +323,26 @@ func (e *Engine) applyInserts() {
 	}
 }
 
+// ApplyKVEvent feeds one KV event of an endpoint's rank (-1 for a
+// single-rank endpoint) into the index and marks that rank event-fed: from
+// then on its cache contents come from events only, not from approximate
+// inserts. Events of one rank must be applied in order (the caller's
+// per-endpoint consumer does that). Errors are the index's (unknown parent,
+// block size mismatch, unknown endpoint).
+func (e *Engine) ApplyKVEvent(ep EndpointKey, rank int, ev kvindex.Event) error {
+	st, ok := e.snap.Load().byKey[ep]
+	if !ok {
+		return fmt.Errorf("%w: %s", kvindex.ErrUnknownWorker, ep)
+	}
+	i := max(rank, 0)
+	if i >= len(st.ranks) {
+		return fmt.Errorf("%w: %s rank %d of %d", kvindex.ErrUnknownWorker, ep, rank, len(st.ranks))
+	}
+	rs := st.ranks[i]
+	rs.eventFed.Store(true)
+	return e.index.Apply(rs.worker, ev)
+}
+
 // DroppedInserts counts approximate inserts dropped because the index
 // goroutine fell behind.
 func (e *Engine) DroppedInserts() int64 { return e.insertsDrop.Load() }

@@ -11,6 +11,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/admission"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy"
 )
 
@@ -235,5 +236,44 @@ func TestSameSeedSameDecisions(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestEventFedEndpoint: KV events from a worker make its cache contents
+// exact; an unknown parent is rejected; approximate inserts stop for it.
+func TestEventFedEndpoint(t *testing.T) {
+	e := engineWith(t, "kv", routing.Options{}, nil, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
+	prompt := tokens(64, 40)
+	var blocks []kvindex.StoredBlock
+	for i := range 4 {
+		blocks = append(blocks, kvindex.StoredBlock{EngineHash: uint64(1000 + i), Tokens: prompt[16*i : 16*i+16]})
+	}
+	if err := e.ApplyKVEvent("10.0.0.2:8000", -1, kvindex.Event{Kind: kvindex.Stored, BlockSize: 16, Blocks: blocks}); err != nil {
+		t.Fatal(err)
+	}
+	d, err := e.Pick(t.Context(), req(prompt))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Endpoint != "10.0.0.2:8000" || d.Overlap != 4 {
+		t.Fatalf("went to %s with overlap %d, want the event-fed holder with 4", d.Endpoint, d.Overlap)
+	}
+	d.Done(routing.NoUsage(routing.OutcomeSuccess))
+	orphan := kvindex.Event{Kind: kvindex.Stored, BlockSize: 16, HasParent: true, Parent: 77, Blocks: blocks[:1]}
+	if err := e.ApplyKVEvent("10.0.0.2:8000", -1, orphan); !errors.Is(err, kvindex.ErrUnknownParent) {
+		t.Fatalf("unknown parent: %v", err)
+	}
+	if err := e.ApplyKVEvent("10.0.0.2:8000", -1, kvindex.Event{Kind: kvindex.Cleared}); err != nil {
+		t.Fatal(err)
+	}
+	// Cleared, and no approximate insert came from the pick above: nothing
+	// is cached on the event-fed endpoint any more.
+	d, _ = e.Pick(t.Context(), req(prompt))
+	if d.Endpoint == "10.0.0.2:8000" && d.Overlap != 0 {
+		t.Fatalf("overlap %d after Cleared", d.Overlap)
+	}
+	d.Done(routing.NoUsage(routing.OutcomeSuccess))
+	if err := e.ApplyKVEvent("10.9.9.9:1", -1, kvindex.Event{Kind: kvindex.Cleared}); !errors.Is(err, kvindex.ErrUnknownWorker) {
+		t.Fatalf("unknown endpoint: %v", err)
 	}
 }
