@@ -203,7 +203,7 @@ func TestConfigNamesTheBadField(t *testing.T) {
 func TestRouterFlagsOverrideTheFile(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "c.yaml")
 	os.WriteFile(path, []byte("router:\n  block_size: 32\n  queue_threshold: 2\n"), 0o644)
-	o := ServeOptions{ConfigPath: path, Router: RouterConfig{BlockSize: 64}, set: map[string]bool{"router-block-size": true}}
+	o := ServeOptions{ConfigPath: path, set: map[string]string{"router-block-size": "64"}}
 	c, err := LoadConfig(path)
 	if err != nil {
 		t.Fatal(err)
@@ -214,7 +214,7 @@ func TestRouterFlagsOverrideTheFile(t *testing.T) {
 	if c.Router.BlockSize != 64 || c.Router.QueueThreshold != 2 {
 		t.Fatalf("router = %+v", c.Router)
 	}
-	o = ServeOptions{Router: RouterConfig{BlockSize: -1}, set: map[string]bool{"router-block-size": true}}
+	o = ServeOptions{set: map[string]string{"router-block-size": "-1"}}
 	d := DefaultFileConfig()
 	if err := o.applyFlags(&d); err == nil {
 		t.Fatal("negative --router-block-size accepted")

@@ -63,8 +63,8 @@ type ServeOptions struct {
 	NoTrackActive     bool
 	DecisionLogPath   string
 	DecisionLogFormat string
-	// set records which flags were given explicitly.
-	set map[string]bool
+	// set records the flags given explicitly, with their values.
+	set map[string]string
 }
 
 // AddFlags registers the options on fs with their defaults.
@@ -85,19 +85,9 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.StopGrace, "stop-grace", 5*time.Second, "after the drain deadline: how long streams that already have a decision may keep streaming their response before they are cut")
 	fs.StringVar(&o.TenantHeader, "tenant-header", "", "request header, set by the gateway, that scopes prefix state per tenant")
 	fs.BoolVar(&o.ResponseProcessing, "response-processing", true, "keep the ext_proc stream for the response (outcomes, TTFT, load accounting); false closes it after the request phase")
-	d := DefaultFileConfig().Router
-	fs.IntVar(&o.Router.BlockSize, "router-block-size", d.BlockSize, "KV block size in tokens (an endpoint's own block size overrides it)")
-	fs.Float64Var(&o.Router.KVOverlapScoreWeight, "router-kv-overlap-score-weight", d.KVOverlapScoreWeight, "weight of prefill work against decode blocks in the kv cost (kv and kvbandit)")
-	fs.Float64Var(&o.Router.Temperature, "router-temperature", d.Temperature, "kv policy: 0 picks the lowest cost, > 0 samples a softmax over normalised costs")
-	fs.BoolVar(&o.Router.KVEvents, "router-kv-events", d.KVEvents, "use workers' KV events where they are configured (endpoints without events stay approximate)")
+	o.Router = DefaultFileConfig().Router
+	routerFlags(fs, &o.Router)
 	fs.BoolVar(&o.NoRouterKVEvents, "no-router-kv-events", false, "approximate index only: ignore KV events")
-	fs.Float64Var(&o.Router.TTLSecs, "router-ttl-secs", d.TTLSecs, "approximate index: seconds a routed prefix is assumed cached")
-	fs.IntVar(&o.Router.MaxTreeSize, "router-max-tree-size", d.MaxTreeSize, "approximate index: entries before pruning")
-	fs.Float64Var(&o.Router.PruneTargetRatio, "router-prune-target-ratio", d.PruneTargetRatio, "approximate index: fraction of the cap kept when pruning")
-	fs.Float64Var(&o.Router.QueueThreshold, "router-queue-threshold", d.QueueThreshold, "admission queue: hold requests while every endpoint's active prefill tokens exceed this × its max_num_batched_tokens (0 = off)")
-	fs.StringVar(&o.Router.QueuePolicy, "router-queue-policy", d.QueuePolicy, "admission queue order: fcfs | wspt")
-	fs.Float64Var(&o.Router.QueueMaxWaitSecs, "router-queue-max-wait", d.QueueMaxWaitSecs, "admission queue: seconds a request may wait before 429")
-	fs.BoolVar(&o.Router.TrackActiveBlocks, "router-track-active-blocks", d.TrackActiveBlocks, "count KV blocks held by in-flight requests in the cost")
 	fs.BoolVar(&o.NoTrackActive, "no-router-track-active-blocks", false, "do not count in-flight blocks")
 	fs.StringVar(&o.DecisionLogPath, "decision-log", "", "write one record per decision to this file (off when empty)")
 	fs.StringVar(&o.DecisionLogFormat, "decision-log-format", "csv", "decision log format: csv | jsonl")
@@ -184,69 +174,64 @@ func runServe(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("%w: unexpected arguments %q", ErrUsage, fs.Args())
 	}
-	o.set = map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { o.set[f.Name] = true })
+	o.set = map[string]string{}
+	fs.Visit(func(f *flag.Flag) { o.set[f.Name] = f.Value.String() })
 	if err := o.Validate(); err != nil {
 		return err
 	}
 	return Serve(ctx, o, newLogger(stderr, o.LogLevel, o.LogFormat), nil)
 }
 
+// routerFlags binds the Dynamo-named --router-* flags to r (their defaults
+// are r's current values). serve binds them to its options for parsing and
+// help, then binds them again to the loaded config file to apply the ones
+// given explicitly on top of it.
+func routerFlags(fs *flag.FlagSet, r *RouterConfig) {
+	fs.IntVar(&r.BlockSize, "router-block-size", r.BlockSize, "KV block size in tokens (an endpoint's own block size overrides it)")
+	fs.Float64Var(&r.KVOverlapScoreWeight, "router-kv-overlap-score-weight", r.KVOverlapScoreWeight, "weight of prefill work against decode blocks in the kv cost (kv and kvbandit)")
+	fs.Float64Var(&r.Temperature, "router-temperature", r.Temperature, "kv policy: 0 picks the lowest cost, > 0 samples a softmax over normalised costs")
+	fs.BoolVar(&r.KVEvents, "router-kv-events", r.KVEvents, "use workers' KV events where they are configured (endpoints without events stay approximate)")
+	fs.Float64Var(&r.TTLSecs, "router-ttl-secs", r.TTLSecs, "approximate index: seconds a routed prefix is assumed cached")
+	fs.IntVar(&r.MaxTreeSize, "router-max-tree-size", r.MaxTreeSize, "approximate index: entries before pruning")
+	fs.Float64Var(&r.PruneTargetRatio, "router-prune-target-ratio", r.PruneTargetRatio, "approximate index: fraction of the cap kept when pruning")
+	fs.Float64Var(&r.QueueThreshold, "router-queue-threshold", r.QueueThreshold, "admission queue: hold requests while every endpoint's active prefill tokens exceed this × its max_num_batched_tokens (0 = off)")
+	fs.StringVar(&r.QueuePolicy, "router-queue-policy", r.QueuePolicy, "admission queue order: fcfs | wspt")
+	fs.Float64Var(&r.QueueMaxWaitSecs, "router-queue-max-wait", r.QueueMaxWaitSecs, "admission queue: seconds a request may wait before 429")
+	fs.BoolVar(&r.TrackActiveBlocks, "router-track-active-blocks", r.TrackActiveBlocks, "count KV blocks held by in-flight requests in the cost")
+}
+
 // applyFlags lets explicitly given flags override the config file, then
 // validates the result.
 func (o *ServeOptions) applyFlags(c *FileConfig) error {
-	r, set := &c.Router, o.set
-	if set["router-block-size"] {
-		r.BlockSize = o.Router.BlockSize
+	file := flag.NewFlagSet("router", flag.ContinueOnError)
+	file.SetOutput(io.Discard)
+	routerFlags(file, &c.Router)
+	for name, v := range o.set {
+		if file.Lookup(name) != nil {
+			if err := file.Set(name, v); err != nil {
+				return fmt.Errorf("--%s: %w", name, err)
+			}
+		}
 	}
-	if set["router-kv-overlap-score-weight"] {
-		r.KVOverlapScoreWeight = o.Router.KVOverlapScoreWeight
-	}
-	if set["router-temperature"] {
-		r.Temperature = o.Router.Temperature
-	}
-	if set["router-kv-events"] {
-		r.KVEvents = o.Router.KVEvents
-	}
+	r := &c.Router
 	if o.NoRouterKVEvents {
 		r.KVEvents = false
-	}
-	if set["router-ttl-secs"] {
-		r.TTLSecs = o.Router.TTLSecs
-	}
-	if set["router-max-tree-size"] {
-		r.MaxTreeSize = o.Router.MaxTreeSize
-	}
-	if set["router-prune-target-ratio"] {
-		r.PruneTargetRatio = o.Router.PruneTargetRatio
-	}
-	if set["router-queue-threshold"] {
-		r.QueueThreshold = o.Router.QueueThreshold
-	}
-	if set["router-queue-policy"] {
-		r.QueuePolicy = o.Router.QueuePolicy
-	}
-	if set["router-queue-max-wait"] {
-		r.QueueMaxWaitSecs = o.Router.QueueMaxWaitSecs
-	}
-	if set["router-track-active-blocks"] {
-		r.TrackActiveBlocks = o.Router.TrackActiveBlocks
 	}
 	if o.NoTrackActive {
 		r.TrackActiveBlocks = false
 	}
-	if set["decision-log"] {
-		c.DecisionLog.Path = o.DecisionLogPath
+	if v, ok := o.set["decision-log"]; ok {
+		c.DecisionLog.Path = v
 	}
-	if set["decision-log-format"] {
-		c.DecisionLog.Format = o.DecisionLogFormat
+	if v, ok := o.set["decision-log-format"]; ok {
+		c.DecisionLog.Format = v
 	}
 	// The Dynamo-named knobs also parameterise the policies.
-	if set["router-kv-overlap-score-weight"] || c.Router.KVOverlapScoreWeight != 1 {
+	if _, ok := o.set["router-kv-overlap-score-weight"]; ok || r.KVOverlapScoreWeight != 1 {
 		c.KV.OverlapScoreWeight = r.KVOverlapScoreWeight
 		c.KVBandit.OverlapScoreWeight = r.KVOverlapScoreWeight
 	}
-	if set["router-temperature"] || r.Temperature != 0 {
+	if _, ok := o.set["router-temperature"]; ok || r.Temperature != 0 {
 		c.KV.Temperature = r.Temperature
 	}
 	return c.Validate()
