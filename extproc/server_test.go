@@ -445,3 +445,37 @@ func metricValue(t *testing.T, reg *prometheus.Registry, name string, labels map
 	t.Fatalf("no series %s%v", name, labels)
 	return 0
 }
+
+// TestDataParallelRankHeader: an endpoint with several data-parallel ranks
+// gets the chosen rank in x-data-parallel-rank, and a client's own value
+// of that header is replaced.
+func TestDataParallelRankHeader(t *testing.T) {
+	e := routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
+	defer e.Close()
+	if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000", DataParallelSize: 2}}}); err != nil {
+		t.Fatal(err)
+	}
+	srv := extproc.NewServer(extproc.Config{ResponseProcessing: false}, extproc.Deps{Picker: e, Logger: slog.New(slog.DiscardHandler), Registry: prometheus.NewRegistry()})
+	client, stop := startServer(t, srv)
+	defer stop()
+	ranks := map[string]bool{}
+	for range 4 {
+		s, _ := client.Process(t.Context())
+		h := reqHeaders("/v1/chat/completions", false, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED)
+		h.GetRequestHeaders().GetHeaders().Headers = append(h.GetRequestHeaders().GetHeaders().GetHeaders(), &corev3.HeaderValue{Key: "x-data-parallel-rank", RawValue: []byte("9")})
+		h.ProtocolConfig.ResponseBodyMode = filterv3.ProcessingMode_NONE
+		send(t, s, h)
+		send(t, s, reqBody(chat, true))
+		r := recv(t, s)
+		for _, hv := range r.GetRequestHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
+			if hv.GetHeader().GetKey() == extproc.HeaderDPRank {
+				ranks[string(hv.GetHeader().GetRawValue())] = true
+			}
+		}
+		recv(t, s)
+		s.CloseSend()
+	}
+	if len(ranks) != 2 || !ranks["0"] || !ranks["1"] {
+		t.Fatalf("ranks sent: %v", ranks)
+	}
+}

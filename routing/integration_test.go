@@ -277,3 +277,22 @@ func TestEventFedEndpoint(t *testing.T) {
 		t.Fatalf("unknown endpoint: %v", err)
 	}
 }
+
+func TestExtremePromptLengths(t *testing.T) {
+	for _, name := range []string{"kv", "kvbandit", "thompson"} {
+		e := engineWith(t, name, routing.Options{}, nil, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
+		for _, n := range []int{0, 1, 15, 17, 500_000} {
+			d, err := e.Pick(t.Context(), req(tokens(n, 3)))
+			if err != nil {
+				t.Fatalf("%s, %d tokens: %v", name, n, err)
+			}
+			if want := n / 16; d.Overlap > want {
+				t.Fatalf("%s, %d tokens: overlap %d > %d complete blocks", name, n, d.Overlap, want)
+			}
+			d.Done(routing.NoUsage(routing.OutcomeSuccess))
+		}
+		if activeBlocks(t, e) != 0 || activePrefill(t, e) != 0 {
+			t.Fatalf("%s: load not released", name)
+		}
+	}
+}
