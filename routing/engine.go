@@ -622,10 +622,10 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	seed := kvindex.Seed(req.LoRA, req.CacheSalt)
 	var spaces [2]keySpace // almost always one block size; more spill to heap
 	spaceList := spaces[:0]
-	space := func(bs int) *keySpace {
+	space := func(bs int) int {
 		for i := range spaceList {
 			if spaceList[i].bs == bs {
-				return &spaceList[i]
+				return i
 			}
 		}
 		var th time.Time
@@ -648,11 +648,12 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 			slices.SortFunc(ks.index, byWorker)
 		}
 		spaceList = append(spaceList, ks)
-		return &spaceList[len(spaceList)-1]
+		return len(spaceList) - 1
 	}
 	spaceOf := make([]int8, 0, n)
 	for _, st := range eps {
-		ks := space(e.blockSize(&st.Endpoint))
+		si := space(e.blockSize(&st.Endpoint))
+		ks := &spaceList[si]
 		for r, rs := range st.ranks {
 			c := Candidate{State: st, DPRank: -1, NewBlocks: len(ks.keys)}
 			if len(st.ranks) > 1 {
@@ -671,7 +672,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 			c.ActiveBlocks = rs.slot.Blocks()
 			c.Load = st.Live.load()
 			sc.Candidates = append(sc.Candidates, c)
-			spaceOf = append(spaceOf, int8(len(spaceList)-1))
+			spaceOf = append(spaceOf, int8(si))
 		}
 	}
 	if len(spaceList) > 0 {

@@ -296,3 +296,27 @@ func TestExtremePromptLengths(t *testing.T) {
 		}
 	}
 }
+
+// TestMixedBlockSizes: endpoints with different block sizes keep separate
+// key spaces, and each candidate is scored and recorded with its own.
+func TestMixedBlockSizes(t *testing.T) {
+	e := engineWith(t, "kv", routing.Options{}, nil,
+		routing.Endpoint{Key: "10.0.0.1:8000", BlockSize: 16},
+		routing.Endpoint{Key: "10.0.0.2:8000", BlockSize: 32},
+		routing.Endpoint{Key: "10.0.0.3:8000", BlockSize: 16})
+	prompt := tokens(320, 9)
+	for ep, blocks := range map[string]int{"10.0.0.1:8000": 20, "10.0.0.2:8000": 10, "10.0.0.3:8000": 20} {
+		for round := range 2 {
+			r := req(prompt)
+			r.Subset = routing.NewSubset([]string{ep})
+			d, err := e.Pick(t.Context(), r)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := []int{0, blocks}[round]; d.Overlap != want {
+				t.Fatalf("%s round %d: overlap %d, want %d", ep, round, d.Overlap, want)
+			}
+			d.Done(routing.NoUsage(routing.OutcomeSuccess))
+		}
+	}
+}
