@@ -8,17 +8,18 @@ import (
 // only from bounded sets: path classes, status classes, phases and reasons
 // defined in this package.
 type Metrics struct {
-	requests       *prometheus.CounterVec
-	streamErrors   *prometheus.CounterVec
-	streams        prometheus.Gauge
-	phase          *prometheus.HistogramVec
-	tokens         *prometheus.CounterVec
-	ttft           prometheus.Histogram
-	latency        prometheus.Histogram
-	outcomes       *prometheus.CounterVec
-	servedMismatch prometheus.Counter
-	hintProblems   prometheus.Counter
-	bufferedBytes  prometheus.GaugeFunc
+	requests           *prometheus.CounterVec
+	streamErrors       *prometheus.CounterVec
+	streams            prometheus.Gauge
+	phase              *prometheus.HistogramVec
+	tokens             *prometheus.CounterVec
+	ttft               prometheus.Histogram
+	latency            prometheus.Histogram
+	outcomes           *prometheus.CounterVec
+	servedMismatch     prometheus.Counter
+	hintProblems       prometheus.Counter
+	bufferedBytes      prometheus.GaugeFunc
+	tokenizerFallbacks *prometheus.CounterVec
 
 	// Per-phase observers, resolved once (no label lookup per request).
 	phaseParse, phaseTokenize, phasePick, phaseTotal prometheus.Observer
@@ -79,7 +80,11 @@ func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metric
 			Help: "Routing hint values that were invalid and ignored.",
 		}),
 	}
-	cs := []prometheus.Collector{m.requests, m.streamErrors, m.streams, m.phase, m.tokens, m.ttft, m.latency, m.outcomes, m.servedMismatch, m.hintProblems}
+	m.tokenizerFallbacks = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvbandit_tokenizer_fallbacks_total",
+		Help: "Requests routed on the byte-based token estimate instead of the model's tokenizer, by reason (no_tokenizer, error, timeout).",
+	}, []string{"reason"})
+	cs := []prometheus.Collector{m.tokenizerFallbacks, m.requests, m.streamErrors, m.streams, m.phase, m.tokens, m.ttft, m.latency, m.outcomes, m.servedMismatch, m.hintProblems}
 	if bufferedBytes != nil {
 		m.bufferedBytes = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvbandit_buffered_body_bytes",

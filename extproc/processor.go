@@ -2,6 +2,7 @@ package extproc
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -354,14 +355,22 @@ func (p *processor) decide(ctx context.Context) error {
 
 // tokenize fills the request's tokens, falling back to a byte estimate.
 func (p *processor) tokenize(ctx context.Context, parsed *openai.Request, req *routing.Request) {
+	reason := "no_tokenizer"
 	if p.s.tok != nil {
-		ids, err := p.s.tok.Encode(ctx, parsed)
+		tctx, cancel := context.WithTimeout(ctx, p.s.cfg.TokenizerTimeout)
+		ids, err := p.s.tok.Encode(tctx, parsed)
+		cancel()
 		if err == nil {
 			req.Tokens, req.TokenCount = ids, len(ids)
 			return
 		}
-		p.s.log.Debug("tokenizer failed; estimating", "err", err)
+		reason = "error"
+		if errors.Is(err, context.DeadlineExceeded) {
+			reason = "timeout"
+		}
+		p.s.log.Debug("tokenizer failed; estimating", "err", err, "model", parsed.Model)
 	}
+	p.s.metrics.tokenizerFallbacks.WithLabelValues(reason).Inc()
 	req.Tokens = estimateTokens(parsed)
 	req.TokenCount = len(req.Tokens)
 	req.Estimated = true

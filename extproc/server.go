@@ -29,6 +29,8 @@ const (
 	BodyChunkBytes = 62000
 	// DefaultMaxSSEEvent bounds one buffered SSE event on the response path.
 	DefaultMaxSSEEvent = 1 << 20
+	// DefaultTokenizerTimeout bounds one request's tokenization.
+	DefaultTokenizerTimeout = 5 * time.Second
 )
 
 // Config holds the server's limits and switches.
@@ -51,6 +53,9 @@ type Config struct {
 	TenantHeader string
 	// MaxSSEEvent bounds one buffered SSE event.
 	MaxSSEEvent int
+	// TokenizerTimeout bounds one request's tokenization; past it the
+	// request is routed on the byte-based estimate.
+	TokenizerTimeout time.Duration
 }
 
 func (c *Config) defaults() {
@@ -68,6 +73,9 @@ func (c *Config) defaults() {
 	}
 	if c.MaxSSEEvent <= 0 {
 		c.MaxSSEEvent = DefaultMaxSSEEvent
+	}
+	if c.TokenizerTimeout <= 0 {
+		c.TokenizerTimeout = DefaultTokenizerTimeout
 	}
 }
 
