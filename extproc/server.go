@@ -79,10 +79,11 @@ func (c *Config) defaults() {
 	}
 }
 
-// Tokenizer turns a parsed request into token ids. It is optional; without
-// one the server estimates the token count from the prompt's bytes.
+// Tokenizer turns a parsed request (and its raw body, for what parsing
+// does not keep, such as tool definitions) into token ids. It is optional;
+// without one, or when it fails, the server routes on a byte-based estimate.
 type Tokenizer interface {
-	Encode(ctx context.Context, req *openai.Request) ([]uint32, error)
+	Encode(ctx context.Context, req *openai.Request, body []byte) ([]uint32, error)
 }
 
 // Deps are the server's injected dependencies; nil fields get defaults

@@ -9,6 +9,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"runtime/debug"
 	"sort"
 	"strings"
@@ -30,19 +31,31 @@ func ExitCode(err error) int {
 
 type command struct {
 	summary string
-	run     func(ctx context.Context, args []string, stdout, stderr io.Writer) error
+	run     func(ctx context.Context, args []string, std stdio) error
+}
+
+// stdio are a command's standard streams.
+type stdio struct {
+	in       io.Reader
+	out, err io.Writer
 }
 
 func commands() map[string]command {
 	return map[string]command{
-		"serve":        {"run the ext_proc endpoint picker", runServe},
-		"envoy-config": {"print a validated Envoy bootstrap for a list of workers", runEnvoyConfig},
-		"version":      {"print the version", runVersion},
+		"serve":        {"run the ext_proc endpoint picker", func(ctx context.Context, a []string, s stdio) error { return runServe(ctx, a, s.out, s.err) }},
+		"envoy-config": {"print a validated Envoy bootstrap for a list of workers", func(ctx context.Context, a []string, s stdio) error { return runEnvoyConfig(ctx, a, s.out, s.err) }},
+		"tokenize":     {"print the token ids of stdin (text, or an OpenAI chat request with --chat)", func(ctx context.Context, a []string, s stdio) error { return runTokenize(ctx, a, s.in, s.out, s.err) }},
+		"version":      {"print the version", func(ctx context.Context, a []string, s stdio) error { return runVersion(ctx, a, s.out, s.err) }},
 	}
 }
 
-// Run executes the subcommand named by args[0].
+// Run executes the subcommand named by args[0] with the process's stdin.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	return RunIO(ctx, args, os.Stdin, stdout, stderr)
+}
+
+// RunIO is Run with an explicit stdin.
+func RunIO(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) error {
 	cmds := commands()
 	if len(args) == 0 || args[0] == "help" || args[0] == "-h" || args[0] == "--help" {
 		usage(stderr, cmds)
@@ -56,7 +69,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		usage(stderr, cmds)
 		return fmt.Errorf("%w: unknown command %q", ErrUsage, args[0])
 	}
-	err := c.run(ctx, args[1:], stdout, stderr)
+	err := c.run(ctx, args[1:], stdio{in: stdin, out: stdout, err: stderr})
 	if errors.Is(err, flag.ErrHelp) {
 		return nil
 	}

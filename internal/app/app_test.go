@@ -3,6 +3,7 @@ package app
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"log/slog"
@@ -10,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -261,5 +263,44 @@ func TestEveryPolicyServes(t *testing.T) {
 				t.Fatalf("decision log:\n%s", raw)
 			}
 		})
+	}
+}
+
+func TestTokenizeCommand(t *testing.T) {
+	dir := os.Getenv("KVBANDIT_FIXTURES")
+	if dir == "" {
+		home, _ := os.UserHomeDir()
+		dir = filepath.Join(home, ".cache", "kvbandit", "fixtures")
+	}
+	tok := filepath.Join(dir, "qwen3")
+	if _, err := os.Stat(filepath.Join(tok, "tokenizer.json")); err != nil {
+		t.Fatalf("missing fixture: run tokenizer/testdata/fixtures.sh (%v)", err)
+	}
+	run := func(stdin string, args ...string) []uint32 {
+		t.Helper()
+		var out, errw bytes.Buffer
+		if err := RunIO(t.Context(), append([]string{"tokenize", "--tokenizer", tok}, args...), strings.NewReader(stdin), &out, &errw); err != nil {
+			t.Fatalf("%v: %s", err, errw.String())
+		}
+		var ids []uint32
+		if err := json.Unmarshal(out.Bytes(), &ids); err != nil {
+			t.Fatalf("output %q: %v", out.String(), err)
+		}
+		return ids
+	}
+	// Qwen3: "Hello, world!" is Hello , Ġworld !
+	if got := run("Hello, world!"); !slices.Equal(got, []uint32{9707, 11, 1879, 0}) {
+		t.Fatalf("text ids %v", got)
+	}
+	chatIDs := run(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`, "--chat")
+	// <|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n
+	if want := []uint32{151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198}; !slices.Equal(chatIDs, want) {
+		t.Fatalf("chat ids %v, want %v", chatIDs, want)
+	}
+	if err := RunIO(t.Context(), []string{"tokenize"}, strings.NewReader(""), io.Discard, io.Discard); ExitCode(err) != 2 {
+		t.Fatalf("no --tokenizer: %v", err)
+	}
+	if err := RunIO(t.Context(), []string{"tokenize", "--tokenizer", tok, "--chat"}, strings.NewReader("{"), io.Discard, io.Discard); err == nil {
+		t.Fatal("bad chat JSON accepted")
 	}
 }

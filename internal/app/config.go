@@ -37,6 +37,25 @@ type FileConfig struct {
 	PrefixState PrefixStateConfig `json:"prefix_state"`
 	// DecisionLog writes one record per decision (off when path is empty).
 	DecisionLog DecisionLogConfig `json:"decision_log"`
+	// Models maps served model names to their tokenizer (tokenizer.json or
+	// a model directory with tokenizer_config.json); --tokenizer is the
+	// default for the others.
+	Models map[string]ModelConfig `json:"models,omitempty"`
+	// Tokenizer tunes tokenization.
+	Tokenizer TokenizerConfig `json:"tokenizer"`
+}
+
+// ModelConfig is one served model's settings.
+type ModelConfig struct {
+	Tokenizer string `json:"tokenizer"`
+}
+
+// TokenizerConfig tunes tokenization.
+type TokenizerConfig struct {
+	// CacheBytes bounds each tokenizer's prefix cache (< 0: off).
+	CacheBytes int64 `json:"cache_bytes"`
+	// TimeoutSecs bounds one request's tokenization (--tokenizer-timeout).
+	TimeoutSecs float64 `json:"timeout_secs"`
 }
 
 // RouterConfig mirrors Dynamo's --router-* flags.
@@ -80,6 +99,7 @@ func DefaultFileConfig() FileConfig {
 		Config:      policy.DefaultConfig(),
 		PrefixState: PrefixStateConfig{TTLSecs: prefixstate.DefaultTTL.Seconds(), MaxEntries: prefixstate.DefaultMaxEntries},
 		DecisionLog: DecisionLogConfig{Format: "csv"},
+		Tokenizer:   TokenizerConfig{CacheBytes: 64 << 20, TimeoutSecs: 5},
 	}
 }
 
@@ -143,6 +163,13 @@ func (c *FileConfig) Validate() error {
 		return fmt.Errorf("decision_log.format: want csv or jsonl, got %q", c.DecisionLog.Format)
 	case c.DecisionLog.MaxBytes < 0:
 		return fmt.Errorf("decision_log.max_bytes: must be >= 0")
+	case !(c.Tokenizer.TimeoutSecs > 0):
+		return fmt.Errorf("tokenizer.timeout_secs: must be > 0, got %v", c.Tokenizer.TimeoutSecs)
+	}
+	for name, m := range c.Models {
+		if m.Tokenizer == "" {
+			return fmt.Errorf("models[%q].tokenizer: must not be empty", name)
+		}
 	}
 	return c.Config.Validate()
 }

@@ -63,6 +63,8 @@ type ServeOptions struct {
 	NoTrackActive     bool
 	DecisionLogPath   string
 	DecisionLogFormat string
+	Tokenizer         string
+	TokenizerTimeout  time.Duration
 	// set records the flags given explicitly, with their values.
 	set map[string]string
 }
@@ -89,6 +91,8 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	routerFlags(fs, &o.Router)
 	fs.BoolVar(&o.NoRouterKVEvents, "no-router-kv-events", false, "approximate index only: ignore KV events")
 	fs.BoolVar(&o.NoTrackActive, "no-router-track-active-blocks", false, "do not count in-flight blocks")
+	fs.StringVar(&o.Tokenizer, "tokenizer", "", "tokenizer.json or a model directory (with tokenizer_config.json and its chat template) for models without their own entry in the config's models map; without any, prompts are hashed from a byte estimate")
+	fs.DurationVar(&o.TokenizerTimeout, "tokenizer-timeout", 5*time.Second, "per-request tokenization deadline; past it the request is routed on the byte estimate")
 	fs.StringVar(&o.DecisionLogPath, "decision-log", "", "write one record per decision to this file (off when empty)")
 	fs.StringVar(&o.DecisionLogFormat, "decision-log-format", "csv", "decision log format: csv | jsonl")
 	fs.StringVar(&o.LogLevel, "log-level", "info", "debug | info | warn | error")
@@ -226,6 +230,9 @@ func (o *ServeOptions) applyFlags(c *FileConfig) error {
 	if v, ok := o.set["decision-log-format"]; ok {
 		c.DecisionLog.Format = v
 	}
+	if _, ok := o.set["tokenizer-timeout"]; ok {
+		c.Tokenizer.TimeoutSecs = o.TokenizerTimeout.Seconds()
+	}
 	// The Dynamo-named knobs also parameterise the policies.
 	if _, ok := o.set["router-kv-overlap-score-weight"]; ok || r.KVOverlapScoreWeight != 1 {
 		c.KV.OverlapScoreWeight = r.KVOverlapScoreWeight
@@ -295,6 +302,17 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		return err
 	}
 
+	var tok extproc.Tokenizer
+	if reg := tokenizerRegistry(o.Tokenizer, &fileCfg, log); reg.Enabled() {
+		tok = extproc.ModelTokenizer{Registry: reg}
+		if o.Tokenizer != "" {
+			// Load the default now: a bad path shows at start, not on the
+			// first request (serving goes on with estimates either way).
+			_, _ = reg.For("")
+		}
+	} else {
+		log.Info("no tokenizer configured: prompts are hashed from a byte estimate (give --tokenizer or models.<name>.tokenizer)")
+	}
 	ep := extproc.NewServer(extproc.Config{
 		MaxBodyBytes:       o.MaxBodyBytes,
 		MaxInflight:        o.MaxInflight,
@@ -302,7 +320,8 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		DecisionTimeout:    o.DecisionTimeout,
 		ResponseProcessing: o.ResponseProcessing,
 		TenantHeader:       o.TenantHeader,
-	}, extproc.Deps{Picker: engine, Logger: log, Registry: reg})
+		TokenizerTimeout:   secs(fileCfg.Tokenizer.TimeoutSecs),
+	}, extproc.Deps{Picker: engine, Tokenizer: tok, Logger: log, Registry: reg})
 
 	// BUFFERED mode sends the whole body in one message: the receive limit
 	// must hold the largest body plus the message framing.

@@ -4,25 +4,31 @@
 //
 // For candidate w the policy computes
 //
-//	cost_w = ŝ_w · (kv_w + β · O_w) − A_w
+//	cost_w = ŝ_w · prefill_w + decode_w + β · O_w − A_w
 //
-// where kv_w is Dynamo's cost (routing/policy/kv: prefill work plus decode
-// blocks, counting cached and in-flight blocks), O_w the work still
-// announced by the agent sessions pinned to w (reuse budget × blocks per
-// request, from the prefix hints), and A_w an affinity credit for the
-// endpoint the request's session last went to, which shrinks with the
-// session's remaining reuse budget and decays with the time since its last
-// request (on the scale of its inter-arrival hint). The lowest cost wins;
-// ties go to the smaller cache tree, then at random.
+// where prefill_w + decode_w is Dynamo's cost (routing/policy/kv): the
+// prefill work w would have (its in-flight prefill plus this request's
+// uncached tokens, in blocks, weighted) and the decode blocks it would hold.
+// O_w is the work still announced by the agent sessions pinned to w (reuse
+// budget × blocks per request, from the prefix hints; it places new
+// sessions and sessionless requests, and does not move a pinned session),
+// and A_w an affinity credit for the endpoint the request's session last
+// went to, which shrinks with the session's remaining reuse budget and
+// decays with the time since its last request (on the scale of its
+// inter-arrival hint). The lowest cost wins; ties go to the smaller cache
+// tree, then at random.
 //
-// ŝ_w is a speed factor sampled per request from a log-normal posterior
-// over how slow w really is relative to the fleet: after each successful
-// response, the observed time per unit of work (decode tokens plus prefill
-// tokens scaled down by PrefillRatio) is compared with a fleet-wide
-// baseline, and the log-ratio updates a Normal posterior with forgetting, so
-// a worker that slows down mid-run is found out and a recovered one is
-// tried again. Sampling per request also keeps several kvbandit replicas,
-// or a burst of identical requests, from herding onto one endpoint.
+// ŝ_w is how slow w prefills relative to the fleet, as a log-normal
+// posterior learned from time to first token per unit of prefill work at
+// decision time; it is sampled per request (Thompson sampling), or taken at
+// its mean for a session already in progress, whose cache should not be
+// gambled on an exploratory draw. It scales only the prefill term: the
+// decode-block term is memory pressure, common to every endpoint for an
+// idle fleet, and scaling it would turn the sampling noise into a bias
+// against cache hits. The posterior forgets (a worker that slows down
+// mid-run is found out, a recovered one tried again), and sampling keeps
+// several kvbandit replicas, or a burst of identical requests, from herding
+// onto one endpoint.
 package kvbandit
 
 import (
@@ -54,17 +60,16 @@ type Config struct {
 
 // SpeedConfig parameterises the per-endpoint speed posterior (log space).
 type SpeedConfig struct {
-	// PriorSigma is the prior standard deviation of log speed (0.3: a
-	// worker is believed within about ×0.74–×1.35 of the fleet).
+	// PriorSigma is the prior standard deviation of log speed (0.15: a
+	// worker is believed within about ×0.86–×1.16 of the fleet until its
+	// outcomes say otherwise; wider priors make an untried worker's draws
+	// outweigh a modest cache advantage).
 	PriorSigma float64 `json:"prior_sigma"`
 	// ObsSigma is the noise of one observation's log time-per-work.
 	ObsSigma float64 `json:"obs_sigma"`
 	// Forget discounts the posterior precision per observation (0.97: the
 	// last ~30 observations dominate).
 	Forget float64 `json:"forget"`
-	// PrefillRatio is how many prompt tokens cost as much as one generated
-	// token.
-	PrefillRatio float64 `json:"prefill_ratio"`
 	// BaselineAlpha is the EMA rate of the fleet baseline.
 	BaselineAlpha float64 `json:"baseline_alpha"`
 	// MaxFactor bounds a sampled factor to [1/MaxFactor, MaxFactor].
@@ -88,8 +93,8 @@ type AffinityConfig struct {
 func DefaultConfig() Config {
 	return Config{
 		OverlapScoreWeight: 1,
-		Speed:              SpeedConfig{PriorSigma: 0.3, ObsSigma: 0.35, Forget: 0.97, PrefillRatio: 20, BaselineAlpha: 0.05, MaxFactor: 8},
-		Affinity:           AffinityConfig{Weight: 0.25, OutstandingWeight: 0.1, DecayLowSeconds: 2, DecayMediumSeconds: 10, DecayHighSeconds: 60},
+		Speed:              SpeedConfig{PriorSigma: 0.15, ObsSigma: 0.35, Forget: 0.97, BaselineAlpha: 0.05, MaxFactor: 8},
+		Affinity:           AffinityConfig{Weight: 1, OutstandingWeight: 0.1, DecayLowSeconds: 2, DecayMediumSeconds: 10, DecayHighSeconds: 60},
 	}
 }
 
@@ -106,7 +111,6 @@ func (c Config) Validate() error {
 	check("speed.prior_sigma", c.Speed.PriorSigma, 0, 10, false)
 	check("speed.obs_sigma", c.Speed.ObsSigma, 0, 10, true)
 	check("speed.forget", c.Speed.Forget, 0, 1, true)
-	check("speed.prefill_ratio", c.Speed.PrefillRatio, 0, 1e6, true)
 	check("speed.baseline_alpha", c.Speed.BaselineAlpha, 0, 1, true)
 	check("speed.max_factor", c.Speed.MaxFactor, 1, inf, false)
 	check("affinity.weight", c.Affinity.Weight, 0, 1e6, false)
@@ -196,8 +200,8 @@ func (*Policy) NeedsOutcomes() bool { return true }
 
 // decision is the per-decision state kept for Done.
 type decision struct {
-	key     postKey
-	prefill int // uncached prompt tokens at decision time
+	key  postKey
+	work float64 // 1 + prefill blocks (in flight + uncached) at decision time
 }
 
 // Choose implements [routing.Policy]. Scores are the sampled costs (lower
@@ -209,16 +213,22 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 		sess, hasSess = p.prefixes.Arrive(s.Req, commit)
 	}
 	rng := rand.New(s.Rand)
+	// Announced work places new work: a request that starts (or has no)
+	// session. A pinned session's later requests are not moved by it (their
+	// own history is cached where they are; the kv cost and the affinity
+	// decide), or sessions would hop whenever another one is pinned.
+	placing := p.prefixes != nil && !(hasSess && sess.Last != "")
 	costs := make([]float64, len(s.Candidates))
 	bs := max(s.BlockSize, 1)
 	promptBlocks := float64(s.ISL) / float64(bs)
 	for i := range s.Candidates {
 		c := &s.Candidates[i]
-		base := kv.Cost(p.cfg.OverlapScoreWeight, s.ISL, s.BlockSize, c)
-		if p.prefixes != nil && p.cfg.Affinity.OutstandingWeight > 0 {
-			base += p.cfg.Affinity.OutstandingWeight * p.prefixes.Outstanding(c.Key())
+		prefill := p.cfg.OverlapScoreWeight * prefillBlocks(s, c)
+		cost := p.factor(c, rng, !placing)*prefill + float64(c.ActiveBlocks) + float64(c.NewBlocks)
+		if placing && p.cfg.Affinity.OutstandingWeight > 0 {
+			cost += p.cfg.Affinity.OutstandingWeight * p.prefixes.Outstanding(c.Key())
 		}
-		costs[i] = p.sampleFactor(c, rng) * base
+		costs[i] = cost
 		if hasSess && sess.Reuse > 0 && sess.Last == c.Key() && (sess.LastRank == c.DPRank || c.DPRank < 0) {
 			costs[i] -= p.affinity(sess, s.Req.Hints.IAT) * promptBlocks
 		}
@@ -228,12 +238,19 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 	if commit && hasSess && p.prefixes != nil {
 		p.prefixes.Pin(s.Req, c.Key(), c.DPRank, sess.Reuse, float64(sess.Reuse)*(promptBlocks+outputBlocks(s.Req, bs)))
 	}
-	st := &decision{key: postKey{c.Key(), c.DPRank}, prefill: max(s.ISL-c.Overlap*s.BlockSize, 0)}
+	st := &decision{key: postKey{c.Key(), c.DPRank}, work: 1 + prefillBlocks(s, c)}
 	ch := routing.Choice{Index: idx, Scores: costs, State: st, Sticky: hasSess && sess.Last != "" && sess.Last == c.Key()}
 	if s.WantRanked {
 		ch.Ranked = kv.Rank(costs, idx)
 	}
 	return ch, nil
+}
+
+// prefillBlocks is the prefill work on c if the request goes there: its
+// in-flight prefill plus the request's uncached tokens, in blocks.
+func prefillBlocks(s *routing.Scoring, c *routing.Candidate) float64 {
+	bs := max(s.BlockSize, 1)
+	return (float64(c.ActivePrefillTokens) + float64(max(s.ISL-c.Overlap*bs, 0))) / float64(bs)
 }
 
 // outputBlocks estimates a request's generated blocks from its hints.
@@ -278,29 +295,35 @@ func (p *Policy) belief(c *routing.Candidate) *belief {
 	return bi.(*belief)
 }
 
-// sampleFactor draws a speed factor for c from its posterior (the prior for
-// an endpoint not seen yet).
-func (p *Policy) sampleFactor(c *routing.Candidate, rng *rand.Rand) float64 {
+// factor is c's speed factor: a draw from its posterior (the prior for an
+// endpoint not seen yet) or, with mean set, the posterior mean. Requests of
+// a session in progress use the mean: exploring on them would move a session
+// away from its cache on a whim; new sessions and sessionless requests do
+// the exploring (and the spreading that sampling gives).
+func (p *Policy) factor(c *routing.Candidate, rng *rand.Rand, mean bool) float64 {
 	m, sd := 0.0, p.cfg.Speed.PriorSigma
 	if b := p.belief(c); b != nil {
 		if v := b.v.Load(); v != nil {
 			m, sd = v.m, 1/math.Sqrt(v.p)
 		}
 	}
+	if mean {
+		sd = 0
+	}
 	f := math.Exp(m + sd*rng.NormFloat64())
 	return min(max(f, 1/p.cfg.Speed.MaxFactor), p.cfg.Speed.MaxFactor)
 }
 
-// Done implements [routing.Policy]: a successful response with usage
-// updates the endpoint's speed posterior and the fleet baseline. Other
-// outcomes teach nothing about speed.
+// Done implements [routing.Policy]: a successful response's time to first
+// token per unit of prefill work at decision time updates the endpoint's
+// speed posterior and the fleet baseline. Other outcomes teach nothing
+// about speed.
 func (p *Policy) Done(d *routing.Decision, o routing.Outcome) {
 	st, ok := d.PolicyState().(*decision)
-	if !ok || o.Kind != routing.OutcomeSuccess || o.Latency <= 0 || o.CompletionTokens <= 0 {
+	if !ok || o.Kind != routing.OutcomeSuccess || o.TTFT <= 0 {
 		return
 	}
-	work := float64(o.CompletionTokens) + float64(st.prefill)/p.cfg.Speed.PrefillRatio
-	y := math.Log(o.Latency.Seconds() * 1000 / work)
+	y := math.Log(o.TTFT.Seconds() * 1000 / st.work)
 	if math.IsNaN(y) || math.IsInf(y, 0) {
 		return
 	}

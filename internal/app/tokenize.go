@@ -1,0 +1,68 @@
+package app
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+
+	"github.com/kvbandit/kvbandit/tokenizer/models"
+)
+
+// tokenizerRegistry builds the model → tokenizer registry from --tokenizer
+// and the config's models map.
+func tokenizerRegistry(def string, cfg *FileConfig, log *slog.Logger) *models.Registry {
+	m := make(map[string]string, len(cfg.Models))
+	for name, mc := range cfg.Models {
+		m[name] = mc.Tokenizer
+	}
+	return models.New(models.Config{Default: def, Models: m, CacheBytes: cfg.Tokenizer.CacheBytes, Loader: nativeLoader}, log)
+}
+
+// runTokenize is `kvbandit tokenize`: text (or, with --chat, an OpenAI chat
+// request) on stdin, the JSON array of token ids on stdout — the same code
+// path the router uses.
+func runTokenize(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("tokenize", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	path := fs.String("tokenizer", "", "tokenizer.json or a model directory (required)")
+	chatMode := fs.Bool("chat", false, "stdin is an OpenAI chat completion request: render the model's chat template with the generation prompt, then tokenize")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	if *path == "" || fs.NArg() > 0 {
+		return fmt.Errorf("%w: usage: kvbandit tokenize --tokenizer PATH [--chat] < input", ErrUsage)
+	}
+	cfg := DefaultFileConfig()
+	m, err := tokenizerRegistry(*path, &cfg, slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))).For("")
+	if err != nil {
+		return err
+	}
+	in, err := io.ReadAll(io.LimitReader(stdin, 64<<20))
+	if err != nil {
+		return err
+	}
+	var ids []uint32
+	if *chatMode {
+		ci, err := models.ChatInput(in)
+		if err != nil {
+			return err
+		}
+		ids, err = m.EncodeChat(ctx, ci)
+		if err != nil {
+			return err
+		}
+	} else if ids, err = m.Encode(ctx, string(in)); err != nil {
+		return err
+	}
+	if ids == nil {
+		ids = []uint32{}
+	}
+	return json.NewEncoder(stdout).Encode(ids)
+}

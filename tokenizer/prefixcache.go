@@ -1,0 +1,229 @@
+package tokenizer
+
+import (
+	"container/list"
+	"context"
+	"encoding/binary"
+	"hash/maphash"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+)
+
+// PrefixCache remembers the token ids of text chunks so that a text starting
+// with an already encoded text (turn N+1 of a conversation rendered by a chat
+// template) only encodes what follows the last shared safe boundary.
+//
+// A text is cut at safe boundaries ([BPE.SafeSplit]) into chunks of at least
+// chunkBytes; the boundaries are picked greedily from the start, so two texts
+// with a long common prefix share all chunks up to near the end of that prefix.
+// Each chunk is keyed by a hash chained over all chunks before it and its end
+// offset, which makes the key stand for the whole prefix up to the chunk's end;
+// the chunk text itself is compared on a hit, and its end is checked to still
+// be a safe cut in the new text. Lookups follow stored chunks from the start,
+// taking the longest that fits, and stop at the first miss; the rest is cut
+// (greedily, chunks of at least chunkBytes) and encoded chunk by chunk and
+// stored, plus one chunk up to the last safe cut of the text, so that the next
+// turn of the conversation reuses all of it. By the SafeSplit property, the concatenated ids equal
+// Encode(text). Entries are evicted least recently used first once the stored
+// bytes (chunk text + 4 bytes per id + overhead) exceed MaxBytes.
+//
+// With added tokens that have lstrip, rstrip or single_word (none in Qwen3,
+// Llama 3.x or Mistral 7B), stored chunks are never reused (the cache stays
+// correct but only costs).
+//
+// A PrefixCache is safe for concurrent use. The walk over stored chunks holds a
+// mutex (it compares the chunks with the text); encoding happens outside it.
+type PrefixCache struct {
+	tok        *BPE
+	maxBytes   int64
+	chunkBytes int
+	seed       maphash.Seed
+
+	mu       sync.Mutex
+	lru      list.List // of *pcEntry, front = most recent
+	index    map[pcKey]*list.Element
+	children map[uint64][]int // parent chain hash -> ends of stored chunks
+	bytes    int64
+
+	hits, misses        atomic.Int64 // chunks
+	hitBytes, missBytes atomic.Int64 // text bytes
+}
+
+var _ Tokenizer = (*PrefixCache)(nil)
+
+// pcKey names a chunk by the chain hash of the text before it and its end.
+type pcKey struct {
+	parent uint64
+	end    int
+}
+
+type pcEntry struct {
+	key   pcKey
+	hash  uint64  // chain hash of the text up to the chunk's end
+	kind  cutKind // why the end was a safe cut
+	chunk string
+	ids   []uint32
+}
+
+const pcOverhead = 96 // bytes per entry besides the chunk and its ids
+
+// PrefixCacheStats are the cache counters.
+type PrefixCacheStats struct {
+	Hits, Misses        int64 // chunks found and not found
+	HitBytes, MissBytes int64 // text bytes served from the cache and encoded
+	Entries             int
+	Bytes               int64
+}
+
+// NewPrefixCache returns a cache over tok holding at most maxBytes. chunkBytes
+// is the minimum chunk size (0: 2 KiB); smaller chunks reuse more of a prefix
+// but cost more lookups.
+func NewPrefixCache(tok *BPE, maxBytes int64, chunkBytes int) *PrefixCache {
+	if chunkBytes <= 0 {
+		chunkBytes = 2 << 10
+	}
+	return &PrefixCache{
+		tok:        tok,
+		maxBytes:   maxBytes,
+		chunkBytes: chunkBytes,
+		seed:       maphash.MakeSeed(),
+		index:      make(map[pcKey]*list.Element),
+		children:   make(map[uint64][]int),
+	}
+}
+
+// Stats returns the counters.
+func (c *PrefixCache) Stats() PrefixCacheStats {
+	c.mu.Lock()
+	n, b := c.lru.Len(), c.bytes
+	c.mu.Unlock()
+	return PrefixCacheStats{
+		Hits: c.hits.Load(), Misses: c.misses.Load(),
+		HitBytes: c.hitBytes.Load(), MissBytes: c.missBytes.Load(),
+		Entries: n, Bytes: b,
+	}
+}
+
+// Encode implements [Tokenizer]; the result equals the tokenizer's Encode.
+func (c *PrefixCache) Encode(ctx context.Context, text string) ([]uint32, error) {
+	out := make([]uint32, 0, len(text)/2+16)
+	var (
+		cur  uint64 // chain hash of text[:prev]
+		prev int
+	)
+	// Walk stored chunks under the lock: each step compares the chunk with the
+	// text and checks that its end is still a safe cut (BPE.stillCut looks
+	// only at the bytes around it), taking the longest child that fits.
+	c.mu.Lock()
+	for {
+		var best *list.Element
+		bestEnd := -1
+		for _, e := range c.children[cur] {
+			if e <= bestEnd || e > len(text) {
+				continue
+			}
+			el, ok := c.index[pcKey{parent: cur, end: e}]
+			if !ok {
+				continue
+			}
+			ent := el.Value.(*pcEntry)
+			if ent.chunk == text[prev:e] && c.tok.stillCut(text, e, ent.kind) {
+				best, bestEnd = el, e
+			}
+		}
+		if best == nil {
+			break
+		}
+		ent := best.Value.(*pcEntry)
+		c.lru.MoveToFront(best)
+		out = append(out, ent.ids...)
+		c.hits.Add(1)
+		c.hitBytes.Add(int64(bestEnd - prev))
+		cur, prev = ent.hash, bestEnd
+	}
+	c.mu.Unlock()
+
+	var (
+		next     = prev + c.chunkBytes
+		lastCut  int
+		lastKind cutKind
+		err      error
+	)
+	encodeChunk := func(b int, k cutKind) bool {
+		if err = ctx.Err(); err != nil {
+			return false
+		}
+		chunk := text[prev:b]
+		start := len(out)
+		out = c.tok.EncodeAppend(out, chunk)
+		c.misses.Add(1)
+		c.missBytes.Add(int64(len(chunk)))
+		key := pcKey{parent: cur, end: b}
+		cur = c.chainHash(cur, chunk)
+		c.store(key, cur, k, chunk, out[start:])
+		prev, next = b, b+c.chunkBytes
+		return true
+	}
+	c.tok.cuts(text, prev, len(text), func(b int, k cutKind) bool {
+		lastCut, lastKind = b, k
+		if b < next {
+			return true
+		}
+		return encodeChunk(b, k)
+	})
+	if err != nil {
+		return nil, err
+	}
+	// Store up to the last safe cut, so that a text extending this one can
+	// reuse everything before it.
+	if lastCut > prev && !encodeChunk(lastCut, lastKind) {
+		return nil, err
+	}
+	if prev < len(text) {
+		out = c.tok.EncodeAppend(out, text[prev:])
+		c.missBytes.Add(int64(len(text) - prev))
+	}
+	return out, nil
+}
+
+func (c *PrefixCache) chainHash(parent uint64, chunk string) uint64 {
+	var h maphash.Hash
+	h.SetSeed(c.seed)
+	var b [8]byte
+	binary.LittleEndian.PutUint64(b[:], parent)
+	h.Write(b[:])
+	h.WriteString(chunk)
+	return h.Sum64()
+}
+
+func (c *PrefixCache) store(key pcKey, hash uint64, kind cutKind, chunk string, ids []uint32) {
+	size := int64(len(chunk) + 4*len(ids) + pcOverhead)
+	if size > c.maxBytes {
+		return
+	}
+	e := &pcEntry{key: key, hash: hash, kind: kind, chunk: strings.Clone(chunk), ids: append([]uint32(nil), ids...)}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if el, ok := c.index[key]; ok {
+		c.lru.MoveToFront(el)
+		return
+	}
+	c.index[key] = c.lru.PushFront(e)
+	c.children[key.parent] = append(c.children[key.parent], key.end)
+	c.bytes += size
+	for c.bytes > c.maxBytes {
+		el := c.lru.Back()
+		old := el.Value.(*pcEntry)
+		c.lru.Remove(el)
+		delete(c.index, old.key)
+		ends := slices.DeleteFunc(c.children[old.key.parent], func(e int) bool { return e == old.key.end })
+		if len(ends) == 0 {
+			delete(c.children, old.key.parent)
+		} else {
+			c.children[old.key.parent] = ends
+		}
+		c.bytes -= int64(len(old.chunk) + 4*len(old.ids) + pcOverhead)
+	}
+}
