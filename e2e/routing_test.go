@@ -115,5 +115,9 @@ func TestRealTokenizer(t *testing.T) {
 	if n := metric(samples, "kvbandit_tokens_total", map[string]string{"kind": "prompt_routed"}); n < 4*20 {
 		t.Errorf("only %v prompt tokens routed", n)
 	}
+	// Turns 2–4 resend the history: the tokenizer's prefix cache serves it.
+	if n := metric(samples, "kvbandit_tokenizer_cache_hits_total", nil); n == 0 {
+		t.Error("no tokenizer prefix-cache hits for a growing conversation")
+	}
 	k.waitReleased(t)
 }

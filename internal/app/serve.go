@@ -303,12 +303,13 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	}
 
 	var tok extproc.Tokenizer
-	if reg := tokenizerRegistry(o.Tokenizer, &fileCfg, log); reg.Enabled() {
-		tok = extproc.ModelTokenizer{Registry: reg}
+	if treg := tokenizerRegistry(o.Tokenizer, &fileCfg, log); treg.Enabled() {
+		tok = extproc.ModelTokenizer{Registry: treg}
+		reg.MustRegister(tokenizerCacheCollector{treg})
 		if o.Tokenizer != "" {
 			// Load the default now: a bad path shows at start, not on the
 			// first request (serving goes on with estimates either way).
-			_, _ = reg.For("")
+			_, _ = treg.For("")
 		}
 	} else {
 		log.Info("no tokenizer configured: prompts are hashed from a byte estimate (give --tokenizer or models.<name>.tokenizer)")

@@ -9,6 +9,8 @@ import (
 	"io"
 	"log/slog"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvbandit/kvbandit/tokenizer/models"
 )
 
@@ -65,4 +67,27 @@ func runTokenize(ctx context.Context, args []string, stdin io.Reader, stdout, st
 		ids = []uint32{}
 	}
 	return json.NewEncoder(stdout).Encode(ids)
+}
+
+// tokenizerCacheCollector exports the tokenizers' prefix-cache counters.
+type tokenizerCacheCollector struct{ r *models.Registry }
+
+var (
+	tokCacheHits  = prometheus.NewDesc("kvbandit_tokenizer_cache_hits_total", "Prompt chunks found in the tokenizer's prefix cache.", []string{"tokenizer"}, nil)
+	tokCacheMiss  = prometheus.NewDesc("kvbandit_tokenizer_cache_misses_total", "Prompt chunks encoded because the prefix cache did not hold them.", []string{"tokenizer"}, nil)
+	tokCacheBytes = prometheus.NewDesc("kvbandit_tokenizer_cache_bytes", "Bytes held by the tokenizer's prefix cache.", []string{"tokenizer"}, nil)
+)
+
+func (tokenizerCacheCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- tokCacheHits
+	ch <- tokCacheMiss
+	ch <- tokCacheBytes
+}
+
+func (c tokenizerCacheCollector) Collect(ch chan<- prometheus.Metric) {
+	for path, st := range c.r.CacheStats() {
+		ch <- prometheus.MustNewConstMetric(tokCacheHits, prometheus.CounterValue, float64(st.Hits), path)
+		ch <- prometheus.MustNewConstMetric(tokCacheMiss, prometheus.CounterValue, float64(st.Misses), path)
+		ch <- prometheus.MustNewConstMetric(tokCacheBytes, prometheus.GaugeValue, float64(st.Bytes), path)
+	}
 }

@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 
 	"github.com/tidwall/gjson"
 
@@ -64,6 +65,8 @@ type entry struct {
 	once sync.Once
 	m    *Model
 	err  error
+	// loaded publishes m to CacheStats, which must not wait on once.
+	loaded atomic.Pointer[Model]
 }
 
 // New returns a registry; log may be nil.
@@ -97,6 +100,7 @@ func (r *Registry) For(model string) (*Model, error) {
 		if e.err != nil {
 			r.log.Error("tokenizer failed to load; requests for its models are routed on estimated tokens", "path", path, "err", e.err)
 		} else {
+			e.loaded.Store(e.m)
 			r.log.Info("tokenizer loaded", "path", path, "chat_template", e.m.tmpl != nil)
 		}
 	})
@@ -133,6 +137,21 @@ func (r *Registry) load(path string) (*Model, error) {
 		}
 	}
 	return m, nil
+}
+
+// CacheStats returns each loaded tokenizer's prefix-cache counters, by
+// path (tokenizers without a cache are left out).
+func (r *Registry) CacheStats() map[string]tokenizer.PrefixCacheStats {
+	out := map[string]tokenizer.PrefixCacheStats{}
+	r.paths.Range(func(k, v any) bool {
+		if m := v.(*entry).loaded.Load(); m != nil {
+			if pc, ok := m.tok.(*tokenizer.PrefixCache); ok {
+				out[k.(string)] = pc.Stats()
+			}
+		}
+		return true
+	})
+	return out
 }
 
 // Model is one tokenizer with its chat template and prefix cache.
