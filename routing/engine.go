@@ -47,6 +47,9 @@ type Live struct {
 	ranks []*rankState
 	// scraped is the endpoint's last scraped load; nil until a scrape.
 	scraped atomic.Pointer[Load]
+	// blockSize is the block size the worker reports (vllm:cache_config_info);
+	// 0 until known. Discovery's block size, when given, wins.
+	blockSize atomic.Int64
 
 	// InFlight is the number of decisions on the endpoint whose Done has
 	// not been called yet.
@@ -580,12 +583,35 @@ func (c *Candidate) rank() *rankState {
 	return c.State.ranks[c.DPRank]
 }
 
-// blockSize is the endpoint's KV block size.
-func (e *Engine) blockSize(ep *Endpoint) int {
-	if ep.BlockSize > 0 {
-		return ep.BlockSize
+// blockSize is the endpoint's KV block size: from discovery, else as the
+// worker reports it, else the router default.
+func (e *Engine) blockSize(st *EndpointState) int {
+	if st.BlockSize > 0 {
+		return st.BlockSize
+	}
+	if bs := st.Live.blockSize.Load(); bs > 0 {
+		return int(bs)
 	}
 	return e.opts.BlockSize
+}
+
+// ReportLoad publishes an endpoint's scraped load and, when the worker
+// reports it, its KV block size (0: unknown). It is called by the load
+// scraper, off the request path; an unknown endpoint is ignored. It wakes
+// the admission queue, since load data may have freed capacity.
+func (e *Engine) ReportLoad(ep EndpointKey, ld Load, blockSize int) bool {
+	st, ok := e.snap.Load().byKey[ep]
+	if !ok {
+		return false
+	}
+	st.SetLoad(ld)
+	if blockSize > 0 {
+		st.Live.blockSize.Store(int64(blockSize))
+	}
+	if e.queue != nil {
+		e.queue.Wake()
+	}
+	return true
 }
 
 // scratch holds per-call buffers, pooled.
@@ -652,7 +678,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	}
 	spaceOf := make([]int8, 0, n)
 	for _, st := range eps {
-		si := space(e.blockSize(&st.Endpoint))
+		si := space(e.blockSize(st))
 		ks := &spaceList[si]
 		for r, rs := range st.ranks {
 			c := Candidate{State: st, DPRank: -1, NewBlocks: len(ks.keys)}

@@ -320,3 +320,21 @@ func TestMixedBlockSizes(t *testing.T) {
 		}
 	}
 }
+
+func TestReportedBlockSizeAndLoad(t *testing.T) {
+	e := engineWith(t, "kv", routing.Options{}, nil, ep("10.0.0.1:8000"))
+	if e.ReportLoad("10.9.9.9:1", routing.Load{Known: true}, 32) {
+		t.Fatal("unknown endpoint accepted")
+	}
+	if !e.ReportLoad("10.0.0.1:8000", routing.Load{Known: true, Waiting: 3, KVUsage: 0.5}, 32) {
+		t.Fatal("report refused")
+	}
+	prompt := tokens(320, 5)
+	d, _ := e.Pick(t.Context(), req(prompt))
+	d.Done(routing.NoUsage(routing.OutcomeSuccess))
+	d, _ = e.Pick(t.Context(), req(prompt))
+	if d.Overlap != 10 { // 320 tokens in blocks of 32, as the worker reported
+		t.Fatalf("overlap %d, want 10 blocks of 32", d.Overlap)
+	}
+	d.Done(routing.NoUsage(routing.OutcomeSuccess))
+}
