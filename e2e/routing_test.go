@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -8,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvbandit/kvbandit/e2e/envoysim"
 	"github.com/kvbandit/kvbandit/e2e/worker"
@@ -120,4 +122,31 @@ func TestRealTokenizer(t *testing.T) {
 		t.Error("no tokenizer prefix-cache hits for a growing conversation")
 	}
 	k.waitReleased(t)
+}
+
+// TestLoadScraping: kvbandit scrapes the workers' /metrics (vLLM names) on
+// its own, outside the data plane.
+func TestLoadScraping(t *testing.T) {
+	ws, addrs := startWorkers(t, 2, worker.Config{})
+	k := startKvbandit(t, addrs, "--scrape-interval", "100ms")
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if err := poll(ctx, func() (bool, string) {
+		samples, err := k.scrape(ctx)
+		if err != nil {
+			return false, err.Error()
+		}
+		n := metric(samples, "kvbandit_scrapes_total", map[string]string{"result": "ok"})
+		return n >= 4, fmt.Sprintf("%v good scrapes", n)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range ws {
+		if w.Scrapes() == 0 {
+			t.Errorf("worker %s was never scraped", w.Addr())
+		}
+		if n := len(w.Requests()); n != 0 {
+			t.Errorf("scrapes were recorded as routed requests: %d", n)
+		}
+	}
 }

@@ -70,6 +70,7 @@ type Worker struct {
 	cfg        Config
 	failStatus atomic.Int64
 	running    atomic.Int64
+	scrapes    atomic.Int64
 
 	mu       sync.Mutex
 	started  bool
@@ -155,6 +156,10 @@ func (w *Worker) SetFailStatus(code int) { w.failStatus.Store(int64(code)) }
 // Running is the number of completion requests in progress.
 func (w *Worker) Running() int { return int(w.running.Load()) }
 
+// Scrapes counts monitoring requests that did not come through the data
+// plane.
+func (w *Worker) Scrapes() int64 { return w.scrapes.Load() }
+
 // Requests returns copies of the recorded requests, in arrival order.
 func (w *Worker) Requests() []Request {
 	w.mu.Lock()
@@ -209,8 +214,18 @@ func (w *Worker) update(f func()) {
 	w.changed = make(chan struct{})
 }
 
-// ServeHTTP records the request, then answers it.
+// ServeHTTP records the request, then answers it. Monitoring requests that
+// did not come through the data plane (GET /metrics or /health without a
+// destination header: kvbandit's load scraper, probes) are answered and
+// counted in Scrapes, not recorded.
 func (w *Worker) ServeHTTP(rw http.ResponseWriter, r *http.Request) {
+	if (r.URL.Path == "/metrics" || r.URL.Path == "/health") && r.Header.Get("x-gateway-destination-endpoint") == "" {
+		w.scrapes.Add(1)
+		sw := &statusWriter{ResponseWriter: rw, status: http.StatusOK}
+		sw.Header().Set(HeaderWorker, w.Addr())
+		w.route(sw, r, nil)
+		return
+	}
 	body, err := io.ReadAll(r.Body)
 	rec := &Request{
 		Method:           r.Method,

@@ -172,8 +172,13 @@ func TestErrorsAndEndpoints(t *testing.T) {
 		!strings.Contains(b, "vllm:num_requests_waiting") {
 		t.Errorf("metrics: %d %s", code, b)
 	}
-	if n := len(w.Requests()); n != 6 {
-		t.Errorf("%d requests recorded, want 6", n)
+	// /health and /metrics asked directly (no destination header) are
+	// monitoring, counted apart from routed requests.
+	if n := len(w.Requests()); n != 4 {
+		t.Errorf("%d requests recorded, want 4", n)
+	}
+	if n := w.Scrapes(); n != 2 {
+		t.Errorf("%d monitoring requests counted, want 2", n)
 	}
 }
 

@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -26,6 +27,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/policy"
+	"github.com/kvbandit/kvbandit/routing/scrape"
 )
 
 // Health service names (GIE endpoint picker protocol).
@@ -65,6 +67,8 @@ type ServeOptions struct {
 	DecisionLogFormat string
 	Tokenizer         string
 	TokenizerTimeout  time.Duration
+	ScrapeInterval    time.Duration
+	ScrapeTimeout     time.Duration
 	// set records the flags given explicitly, with their values.
 	set map[string]string
 }
@@ -93,6 +97,8 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.BoolVar(&o.NoTrackActive, "no-router-track-active-blocks", false, "do not count in-flight blocks")
 	fs.StringVar(&o.Tokenizer, "tokenizer", "", "tokenizer.json or a model directory (with tokenizer_config.json and its chat template) for models without their own entry in the config's models map; without any, prompts are hashed from a byte estimate")
 	fs.DurationVar(&o.TokenizerTimeout, "tokenizer-timeout", 5*time.Second, "per-request tokenization deadline; past it the request is routed on the byte estimate")
+	fs.DurationVar(&o.ScrapeInterval, "scrape-interval", time.Second, "how often each worker's Prometheus /metrics (vLLM or SGLang names) is scraped for load and block size; 0 disables")
+	fs.DurationVar(&o.ScrapeTimeout, "scrape-timeout", time.Second, "per-scrape timeout; a worker without a good scrape for 3 intervals counts as stale")
 	fs.StringVar(&o.DecisionLogPath, "decision-log", "", "write one record per decision to this file (off when empty)")
 	fs.StringVar(&o.DecisionLogFormat, "decision-log-format", "csv", "decision log format: csv | jsonl")
 	fs.StringVar(&o.LogLevel, "log-level", "info", "debug | info | warn | error")
@@ -392,6 +398,18 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		hsrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	}
 
+	bgCtx, stopBackground := context.WithCancel(context.Background())
+	var bg sync.WaitGroup
+	defer func() { stopBackground(); bg.Wait() }()
+	if o.ScrapeInterval > 0 {
+		sc := scrape.New(scrape.Config{Interval: o.ScrapeInterval, Timeout: o.ScrapeTimeout}, scrape.Deps{
+			Logger: log, Targets: scrape.EngineTargets(engine), Publish: scrape.EnginePublish(engine),
+			OnError: func(t scrape.Target, err error) { log.Debug("scrape failed", "endpoint", t.Key, "err", err) },
+		})
+		reg.MustRegister(scrapeCollector{sc})
+		bg.Add(1)
+		go func() { defer bg.Done(); _ = sc.Run(bgCtx) }()
+	}
 	errc := make(chan error, 3)
 	go func() { errc <- serveGRPC(gs, gl, "ext_proc") }()
 	go func() { errc <- serveGRPC(hgs, hl, "health") }()
@@ -461,4 +479,16 @@ func serveGRPC(s *grpc.Server, l net.Listener, name string) error {
 		return fmt.Errorf("%s: %w", name, err)
 	}
 	return nil
+}
+
+// scrapeCollector exports the load scraper's results.
+type scrapeCollector struct{ s *scrape.Scraper }
+
+var scrapeDesc = prometheus.NewDesc("kvbandit_scrapes_total", "Worker /metrics scrapes, by result.", []string{"result"}, nil)
+
+func (scrapeCollector) Describe(ch chan<- *prometheus.Desc) { ch <- scrapeDesc }
+func (c scrapeCollector) Collect(ch chan<- prometheus.Metric) {
+	for reason, n := range c.s.Stats().ByReason() {
+		ch <- prometheus.MustNewConstMetric(scrapeDesc, prometheus.CounterValue, float64(n), reason)
+	}
 }

@@ -1,0 +1,28 @@
+// Package kvevents receives vLLM-compatible KV cache events over ZMQ and
+// turns them into [kvindex.Event] values.
+//
+// # Overview
+//
+// [Decode] reads one 3-frame message (topic, 8-byte big-endian sequence
+// number, msgpack EventBatch) in either encoding vLLM emits: msgspec
+// array_like tagged tuples or maps with a "type" key. [Subscribe] runs one
+// SUB socket per endpoint, bound or connected, and feeds the decoded events
+// to an Apply callback in the worker's order.
+//
+// # Concurrency
+//
+// Each [Sub] has two goroutines: a reader that only moves messages from the
+// socket into a bounded queue (dropping and counting when it is full) and
+// an applier that checks sequence numbers, replays gaps and calls Apply.
+// Apply, OnTrust and OnResync are called from the applier only.
+//
+// # Lifecycle
+//
+// The first message decides trust: sequence 0 means we saw the worker from
+// its start. A later first message, a gap, dropped or undecodable messages
+// make the view approximate (OnResync, then OnTrust(false)) unless replay
+// from the worker's replay_endpoint fills the gap. A sequence number going
+// backwards is a worker restart: every rank seen gets a Cleared event, and
+// a restart at sequence 0 is exact again; so is an AllBlocksCleared event.
+// Close stops both goroutines.
+package kvevents

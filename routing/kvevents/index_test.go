@@ -1,0 +1,44 @@
+package kvevents
+
+import (
+	"testing"
+
+	"github.com/kvbandit/kvbandit/routing/kvindex"
+)
+
+// Two vLLM messages (a BlockStored split across them by parent hash, bytes
+// hashes) applied to a real index must match a request for the same tokens
+// as hashed by the router.
+func TestDecodedEventsMatchRouterKeys(t *testing.T) {
+	t.Parallel()
+	ix, err := kvindex.New(kvindex.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ix.Close()
+	w := ix.Worker("10.0.0.1:8000", 0)
+	tk := toks(48, 5000)
+	h := func(i byte) []byte { b := make([]byte, 32); b[31] = i; return b }
+	msgs := [][][]byte{
+		frames(t, 0, []any{1.0, []any{storedArray([]any{h(1), h(2)}, nil, tk[:32], 16)}, 0}),
+		frames(t, 1, map[string]any{"ts": 1.0, "events": []any{map[string]any{
+			"type": "BlockStored", "block_hashes": []any{h(3)}, "parent_block_hash": h(2),
+			"token_ids": anyInts(tk[32:]), "block_size": 16, "medium": "GPU"}}}),
+	}
+	for _, m := range msgs {
+		b, err := Decode(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ev := range b.Events {
+			if err := ix.Apply(w, ev); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	keys := kvindex.AppendBlockKeys(nil, tk, 16, kvindex.Seed("", ""))
+	ms := ix.Overlaps(16, keys, nil)
+	if len(ms) != 1 || ms[0].Worker != w || ms[0].Blocks != 3 {
+		t.Fatalf("Overlaps = %+v, want worker %d with 3 blocks", ms, w)
+	}
+}

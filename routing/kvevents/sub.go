@@ -1,0 +1,486 @@
+package kvevents
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvbandit/kvbandit/routing/kvindex"
+)
+
+// Config says where one endpoint's KV events come from.
+type Config struct {
+	// Endpoint names the worker in callbacks, e.g. "10.0.0.1:8000".
+	Endpoint string
+	// Address is the ZMQ address, e.g. "tcp://127.0.0.1:5557".
+	Address string
+	// Bind makes the SUB socket listen on Address (llm-d-inference-sim
+	// dials the router); otherwise it connects to the worker's bound PUB
+	// (vLLM with "endpoint":"tcp://*:5557"), retrying until Close.
+	Bind bool
+	// ReplayAddress is vLLM's replay_endpoint (a ROUTER socket), e.g.
+	// "tcp://127.0.0.1:5558"; empty disables replay.
+	ReplayAddress string
+	// QueueSize bounds the messages waiting between the socket reader and
+	// Apply; 0 means 1024. A full queue drops messages (counted).
+	QueueSize int
+	// ReplayTimeout bounds one replay request; 0 means 2 s.
+	ReplayTimeout time.Duration
+}
+
+// Deps are the subscriber's collaborators.
+type Deps struct {
+	// Logger; nil means slog.Default().
+	Logger *slog.Logger
+	// Apply applies one event of the endpoint's data-parallel rank. It is
+	// called from one goroutine per Sub, in the worker's order. Required.
+	Apply func(endpoint string, rank int, ev kvindex.Event) error
+	// OnTrust reports whether the endpoint's indexed view is exact (true)
+	// or may have missed events (false: treat it as approximate). It is
+	// called on every change, the first time when the first message
+	// arrives. Optional.
+	OnTrust func(endpoint string, trusted bool)
+	// OnResync is called each time the stream is found discontinuous: a
+	// sequence gap (drops included), a worker restart, starting after the
+	// worker, or a message that could not be decoded. Replay, when
+	// configured, is attempted right after it. Optional.
+	OnResync func(endpoint string)
+}
+
+// Stats are a Sub's counters since Subscribe.
+type Stats struct {
+	Messages       uint64 // messages decoded and applied, replayed ones included
+	Events         uint64 // events passed to Apply
+	Blocks         uint64 // stored blocks passed to Apply
+	Ignored        uint64 // events of other KV groups or media
+	Malformed      uint64 // messages that failed to decode
+	Dropped        uint64 // messages dropped because the queue was full
+	Duplicates     uint64 // messages with the last sequence number again
+	Gaps           uint64 // sequence gaps, drops included
+	Restarts       uint64 // sequence went backwards (worker restart)
+	Resyncs        uint64 // OnResync calls
+	Replays        uint64 // replay requests sent
+	ReplayFailures uint64 // replays that could not fill their gap
+	UnknownParent  uint64 // Apply returned kvindex.ErrUnknownParent
+	UnknownBlock   uint64 // Apply returned kvindex.ErrUnknownBlock
+	ApplyErrors    uint64 // other Apply errors
+	Trusted        bool
+}
+
+// Sub is a running subscription to one endpoint's KV events.
+type Sub struct {
+	cfg  Config
+	deps Deps
+	log  *slog.Logger
+
+	sock   zmq4.Socket // the first socket; read replaces it in connect mode
+	ctx    context.Context
+	cancel context.CancelFunc
+	queue  chan zmq4.Msg
+	wg     sync.WaitGroup
+	once   sync.Once
+
+	c struct {
+		messages, events, blocks, ignored, malformed, dropped, duplicates,
+		gaps, restarts, resyncs, replays, replayFailures, unknownParent,
+		unknownBlock, applyErrors atomic.Uint64
+	}
+	trusted atomic.Bool
+
+	// Owned by the apply goroutine.
+	started bool
+	last    uint64
+	trust   int8 // -1 unknown, 0 false, 1 true
+	ranks   map[int]struct{}
+}
+
+// Subscribe starts receiving one endpoint's KV events. In bind mode the
+// listen error is returned; in connect mode dialing happens in the
+// background. The Sub runs until Close or until ctx is done; Close must be
+// called either way.
+func Subscribe(ctx context.Context, cfg Config, deps Deps) (*Sub, error) {
+	if deps.Apply == nil {
+		return nil, errors.New("kvevents: Deps.Apply is required")
+	}
+	if cfg.Address == "" {
+		return nil, errors.New("kvevents: Config.Address is required")
+	}
+	if cfg.QueueSize <= 0 {
+		cfg.QueueSize = 1024
+	}
+	if cfg.ReplayTimeout <= 0 {
+		cfg.ReplayTimeout = 2 * time.Second
+	}
+	s := &Sub{cfg: cfg, deps: deps, log: deps.Logger, trust: -1, ranks: map[int]struct{}{}}
+	if s.log == nil {
+		s.log = slog.Default()
+	}
+	s.log = s.log.With("endpoint", cfg.Endpoint, "kv_events", cfg.Address)
+	s.ctx, s.cancel = context.WithCancel(ctx)
+	s.queue = make(chan zmq4.Msg, cfg.QueueSize)
+	s.sock = newSubSocket(s.ctx)
+	if cfg.Bind {
+		if err := s.sock.Listen(cfg.Address); err != nil {
+			s.closeSock()
+			return nil, fmt.Errorf("kvevents: listen %s: %w", cfg.Address, err)
+		}
+	}
+	s.wg.Add(2)
+	go s.read()
+	go s.applyLoop()
+	return s, nil
+}
+
+func (s *Sub) closeSock() {
+	s.cancel()
+	_ = s.sock.Close()
+}
+
+// Addr is the bound address in bind mode (useful with port 0), else nil.
+func (s *Sub) Addr() net.Addr {
+	if !s.cfg.Bind {
+		return nil
+	}
+	return s.sock.Addr() // the bound socket is never replaced
+}
+
+// Close stops the subscription and waits for its goroutines, including an
+// Apply call in progress (so Apply must not block indefinitely). Events
+// still queued are discarded.
+func (s *Sub) Close() {
+	s.once.Do(func() {
+		s.cancel() // read closes the socket on its way out
+		s.wg.Wait()
+	})
+}
+
+// Stats returns the counters. It is safe to call concurrently.
+func (s *Sub) Stats() Stats {
+	return Stats{
+		Messages: s.c.messages.Load(), Events: s.c.events.Load(), Blocks: s.c.blocks.Load(),
+		Ignored: s.c.ignored.Load(), Malformed: s.c.malformed.Load(), Dropped: s.c.dropped.Load(),
+		Duplicates: s.c.duplicates.Load(), Gaps: s.c.gaps.Load(), Restarts: s.c.restarts.Load(),
+		Resyncs: s.c.resyncs.Load(), Replays: s.c.replays.Load(), ReplayFailures: s.c.replayFailures.Load(),
+		UnknownParent: s.c.unknownParent.Load(), UnknownBlock: s.c.unknownBlock.Load(),
+		ApplyErrors: s.c.applyErrors.Load(), Trusted: s.trusted.Load(),
+	}
+}
+
+// read moves messages from the socket to the queue and never waits on
+// Apply. It owns the socket: in connect mode it dials (retrying until
+// Close) and, when the connection breaks, replaces the socket and dials
+// again. go-zeromq's WithAutomaticReconnect is not used: it races with
+// Close and, on a bound socket, dials its own listen address.
+func (s *Sub) read() {
+	defer s.wg.Done()
+	defer close(s.queue)
+	sock := s.sock
+	defer func() { _ = sock.Close() }()
+	for {
+		if !s.cfg.Bind {
+			if err := sock.Dial(s.cfg.Address); err != nil {
+				if s.ctx.Err() == nil {
+					s.log.Error("kv events: dial failed", "err", err)
+				}
+				return
+			}
+		}
+		s.recvLoop(sock)
+		if s.ctx.Err() != nil {
+			return
+		}
+		// The connection broke: start over with a fresh socket.
+		_ = sock.Close()
+		sock = newSubSocket(s.ctx)
+		select {
+		case <-s.ctx.Done():
+			return
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func newSubSocket(ctx context.Context) zmq4.Socket {
+	sock := zmq4.NewSub(ctx, zmq4.WithDialerMaxRetries(-1))
+	_ = sock.SetOption(zmq4.OptionSubscribe, "") // cannot fail in go-zeromq
+	return sock
+}
+
+// recvLoop returns when ctx is done or, in connect mode, when the
+// connection breaks.
+func (s *Sub) recvLoop(sock zmq4.Socket) {
+	for {
+		msg, err := sock.Recv()
+		if err != nil {
+			if s.ctx.Err() != nil {
+				return
+			}
+			s.log.Info("kv events: connection lost", "err", err)
+			if !s.cfg.Bind {
+				return
+			}
+			continue // a bound socket keeps its other peers
+		}
+		select {
+		case s.queue <- msg:
+		default:
+			// The sequence gap that follows triggers the resync.
+			s.c.dropped.Add(1)
+		}
+	}
+}
+
+func (s *Sub) applyLoop() {
+	defer s.wg.Done()
+	for msg := range s.queue {
+		if s.ctx.Err() != nil {
+			continue // drain so read can exit
+		}
+		s.handle(msg.Frames)
+	}
+}
+
+func seqOf(frames [][]byte) (uint64, bool) {
+	if len(frames) != 3 || len(frames[1]) != 8 {
+		return 0, false
+	}
+	return binary.BigEndian.Uint64(frames[1]), true
+}
+
+// handle runs the sequence checks for one live message, then applies it.
+func (s *Sub) handle(frames [][]byte) {
+	seq, ok := seqOf(frames)
+	if !ok {
+		// Without a sequence number we cannot tell whether anything was
+		// lost; the next message's number will.
+		s.c.malformed.Add(1)
+		s.log.Debug("kv events: malformed frames", "frames", len(frames))
+		return
+	}
+	switch {
+	case !s.started:
+		s.started = true
+		if seq == 0 {
+			s.setTrust(true)
+		} else {
+			s.log.Info("kv events: subscribed after the worker started", "seq", seq)
+			s.resync(0, seq)
+		}
+	case seq == s.last:
+		s.c.duplicates.Add(1)
+		return
+	case seq < s.last:
+		s.c.restarts.Add(1)
+		s.log.Info("kv events: worker restarted", "seq", seq, "last", s.last)
+		s.clearAll()
+		if seq == 0 {
+			s.resyncNotify()
+			s.setTrust(true)
+		} else {
+			s.resync(0, seq)
+		}
+	case seq > s.last+1:
+		s.c.gaps.Add(1)
+		s.log.Info("kv events: sequence gap", "from", s.last+1, "to", seq-1)
+		s.resync(s.last+1, seq)
+	}
+	s.applyMsg(seq, frames)
+}
+
+func (s *Sub) resyncNotify() {
+	s.c.resyncs.Add(1)
+	if s.deps.OnResync != nil {
+		s.deps.OnResync(s.cfg.Endpoint)
+	}
+}
+
+// resync reports a discontinuity and fills [from, until) by replay when
+// it can; otherwise the view is no longer exact.
+func (s *Sub) resync(from, until uint64) {
+	s.resyncNotify()
+	if s.cfg.ReplayAddress != "" && s.replay(from, until) {
+		if s.trust < 0 {
+			s.setTrust(true)
+		}
+		return
+	}
+	s.setTrust(false)
+}
+
+func (s *Sub) setTrust(t bool) {
+	v := int8(0)
+	if t {
+		v = 1
+	}
+	if s.trust == v {
+		return
+	}
+	s.trust = v
+	s.trusted.Store(t)
+	if s.deps.OnTrust != nil {
+		s.deps.OnTrust(s.cfg.Endpoint, t)
+	}
+}
+
+// clearAll applies Cleared to every rank seen, after a worker restart.
+func (s *Sub) clearAll() {
+	if len(s.ranks) == 0 {
+		s.ranks[0] = struct{}{}
+	}
+	for r := range s.ranks {
+		s.apply(r, kvindex.Event{Kind: kvindex.Cleared})
+	}
+}
+
+// applyMsg decodes and applies one message and makes seq the last one.
+func (s *Sub) applyMsg(seq uint64, frames [][]byte) {
+	s.last = seq
+	b, err := Decode(frames)
+	if err != nil {
+		s.c.malformed.Add(1)
+		s.log.Warn("kv events: cannot decode, view is no longer exact", "seq", seq, "err", err)
+		s.resyncNotify()
+		s.setTrust(false)
+		return
+	}
+	s.c.messages.Add(1)
+	s.c.ignored.Add(uint64(b.Ignored))
+	s.c.blocks.Add(uint64(b.Blocks))
+	s.ranks[b.Rank] = struct{}{}
+	for _, ev := range b.Events {
+		s.apply(b.Rank, ev)
+		if ev.Kind == kvindex.Cleared && len(s.ranks) == 1 {
+			// The engine dropped everything: what follows is exact again.
+			s.setTrust(true)
+		}
+	}
+}
+
+func (s *Sub) apply(rank int, ev kvindex.Event) {
+	s.c.events.Add(1)
+	err := s.deps.Apply(s.cfg.Endpoint, rank, ev)
+	switch {
+	case err == nil:
+	case errors.Is(err, kvindex.ErrUnknownParent):
+		s.c.unknownParent.Add(1)
+	case errors.Is(err, kvindex.ErrUnknownBlock):
+		s.c.unknownBlock.Add(1)
+	default:
+		s.c.applyErrors.Add(1)
+		s.log.Debug("kv events: apply", "rank", rank, "kind", ev.Kind, "err", err)
+	}
+}
+
+// endSeq is vLLM's replay terminator, -1 as 8 big-endian bytes.
+const endSeq = ^uint64(0)
+
+// replay asks the worker's replay ROUTER for batches from seq from on and
+// applies those below until. The protocol (vLLM ZmqEventPublisher.
+// _service_replay): the DEALER sends ["", start_seq(8 bytes BE)]; the
+// worker answers ["", seq, payload] per buffered batch with seq ≥ start,
+// then ["", -1, ""]. It reports whether [from, until) was filled without a
+// hole.
+func (s *Sub) replay(from, until uint64) bool {
+	s.c.replays.Add(1)
+	ok := s.doReplay(from, until)
+	if !ok {
+		s.c.replayFailures.Add(1)
+	}
+	return ok
+}
+
+func (s *Sub) doReplay(from, until uint64) bool {
+	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.ReplayTimeout)
+	defer cancel()
+	sock := zmq4.NewDealer(ctx, zmq4.WithDialerMaxRetries(2), zmq4.WithDialerRetry(50*time.Millisecond))
+	defer sock.Close()
+	// Recv does not watch ctx by itself on every path: close on timeout.
+	stop := context.AfterFunc(ctx, func() { _ = sock.Close() })
+	defer stop()
+	if err := sock.Dial(s.cfg.ReplayAddress); err != nil {
+		s.log.Warn("kv events: replay dial", "err", err)
+		return false
+	}
+	start := binary.BigEndian.AppendUint64(nil, from)
+	if err := sock.Send(zmq4.NewMsgFrom([]byte{}, start)); err != nil {
+		s.log.Warn("kv events: replay request", "err", err)
+		return false
+	}
+	next := from
+	for {
+		msg, err := sock.Recv()
+		if err != nil {
+			s.log.Warn("kv events: replay receive", "err", err, "next", next)
+			return false
+		}
+		f := msg.Frames
+		if len(f) > 0 && len(f[0]) == 0 {
+			f = f[1:] // the DEALER's empty delimiter
+		}
+		if len(f) != 2 || len(f[0]) != 8 {
+			s.c.malformed.Add(1)
+			return false
+		}
+		seq := binary.BigEndian.Uint64(f[0])
+		if seq == endSeq {
+			return next >= until
+		}
+		if seq < next {
+			continue
+		}
+		if seq != next {
+			// The worker's buffer no longer holds the start of the gap:
+			// apply what is there, but the view stays approximate.
+			s.log.Info("kv events: replay buffer starts after the gap", "want", next, "got", seq)
+			if seq >= until {
+				return false
+			}
+			s.applyMsg(seq, [][]byte{nil, f[0], f[1]})
+			next = seq + 1
+			for next < until {
+				if !s.replayNext(sock, &next) {
+					return false
+				}
+			}
+			return false
+		}
+		if seq >= until {
+			return true
+		}
+		s.applyMsg(seq, [][]byte{nil, f[0], f[1]})
+		next = seq + 1
+		if next >= until {
+			return true
+		}
+	}
+}
+
+// replayNext applies the next replayed message after a hole.
+func (s *Sub) replayNext(sock zmq4.Socket, next *uint64) bool {
+	msg, err := sock.Recv()
+	if err != nil {
+		return false
+	}
+	f := msg.Frames
+	if len(f) > 0 && len(f[0]) == 0 {
+		f = f[1:]
+	}
+	if len(f) != 2 || len(f[0]) != 8 {
+		return false
+	}
+	seq := binary.BigEndian.Uint64(f[0])
+	if seq == endSeq || seq != *next {
+		return false
+	}
+	s.applyMsg(seq, [][]byte{nil, f[0], f[1]})
+	*next = seq + 1
+	return true
+}

@@ -1,0 +1,18 @@
+// Package scrape reads the load of vLLM and SGLang workers from their
+// Prometheus /metrics endpoints.
+//
+// [Parse] turns one text exposition into a [Sample]: waiting and running
+// requests, KV cache usage, the KV block size, LoRA adapters and per-rank
+// load for data-parallel workers. A [Scraper] polls every target each
+// interval with bounded concurrency, publishes each good sample, and marks
+// a target stale when it has not answered for a while; the caller turns
+// samples into [routing.Load] values with [Sample.Load] and hands them to
+// the engine (Live.SetLoad).
+//
+// # Concurrency
+//
+// [Scraper.Run] owns one goroutine plus one per in-flight scrape (bounded by
+// Config.MaxInFlight). Rounds are driven by the injected clock, so tests and
+// the benchmark can run it in virtual time; HTTP timeouts use context
+// deadlines in real time.
+package scrape

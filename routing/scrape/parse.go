@@ -1,0 +1,314 @@
+package scrape
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/kvbandit/kvbandit/routing"
+)
+
+// DefaultMaxBody is the body limit Parse and the Scraper use when none is set.
+const DefaultMaxBody = 10 << 20
+
+var (
+	// ErrTooLarge is returned when a metrics body exceeds its limit.
+	ErrTooLarge = errors.New("scrape: metrics body too large")
+	// ErrMalformed wraps a text-format parse error.
+	ErrMalformed = errors.New("scrape: malformed metrics")
+	// ErrNoLoadMetrics is returned when a well-formed body holds none of the
+	// vLLM or SGLang load metrics (a wrong port, or not an inference worker).
+	ErrNoLoadMetrics = errors.New("scrape: no vLLM or SGLang load metrics")
+)
+
+// RankLoad is the load of one data-parallel rank of an endpoint (vLLM's
+// "engine" label, or a "dp_rank" label).
+type RankLoad struct {
+	Rank    int
+	Waiting float64
+	Running float64
+	KVUsage float64
+}
+
+// Sample is one scrape of an endpoint's /metrics.
+type Sample struct {
+	// Waiting and Running are request counts summed over every series
+	// (every model and rank) of the endpoint.
+	Waiting float64
+	Running float64
+	// KVUsage is the fraction of KV cache in use, in [0, 1]: the maximum
+	// over the endpoint's series (its most loaded rank).
+	KVUsage float64
+	// Known is set when the load came from a successful scrape; a stale
+	// sample keeps the Known of the last good one.
+	Known bool
+	// Stale is set by the Scraper when the last good scrape is older than
+	// Config.StaleAfter; the load fields are then those of that scrape.
+	Stale bool
+	// BlockSize and NumGPUBlocks come from vllm:cache_config_info; 0 when
+	// not reported.
+	BlockSize    int
+	NumGPUBlocks int
+	// Adapters are the LoRA adapters running or waiting, sorted, from the
+	// newest vllm:lora_requests_info series; MaxLoRA is its max_lora.
+	Adapters []string
+	MaxLoRA  int
+	// Ranks holds per-rank load, sorted by rank, when the series carry a
+	// rank label; nil otherwise.
+	Ranks []RankLoad
+	// At is when the Scraper took the sample (zero from Parse).
+	At time.Time
+}
+
+// Load returns the sample as a routing load.
+func (s Sample) Load() routing.Load {
+	return routing.Load{Waiting: s.Waiting, Running: s.Running, KVUsage: s.KVUsage, Known: s.Known, Stale: s.Stale}
+}
+
+// kind is a load signal a metric name maps to.
+type kind int
+
+const (
+	kindNone kind = iota
+	kindWaiting
+	kindRunning
+	kindKVUsage
+	kindCacheConfig
+	kindLoRA
+)
+
+// kinds maps normalised metric names (see normalize) to signals.
+var kinds = map[string]kind{
+	"vllm_num_requests_waiting": kindWaiting,
+	"vllm_num_requests_running": kindRunning,
+	"vllm_kv_cache_usage_perc":  kindKVUsage,
+	"vllm_gpu_cache_usage_perc": kindKVUsage,
+	"vllm_cache_config_info":    kindCacheConfig,
+	"vllm_lora_requests_info":   kindLoRA,
+	"sglang_num_queue_reqs":     kindWaiting,
+	"sglang_num_running_reqs":   kindRunning,
+	"sglang_token_usage":        kindKVUsage,
+}
+
+// normalize lower-cases a metric name, turns colons into underscores and
+// drops a "_total" suffix, so vllm:num_requests_waiting,
+// vllm_num_requests_waiting and vllm:num_requests_waiting_total agree.
+func normalize(name string) string {
+	name = strings.ToLower(strings.ReplaceAll(name, ":", "_"))
+	return strings.TrimSuffix(name, "_total")
+}
+
+// limitedReader fails with ErrTooLarge once more than n bytes are read.
+type limitedReader struct {
+	r        io.Reader
+	n        int64
+	exceeded bool
+	err      error // the first read error other than io.EOF
+}
+
+func (l *limitedReader) Read(p []byte) (int, error) {
+	if l.n <= 0 {
+		// Probe one byte: exactly n bytes is fine, n+1 is not.
+		var b [1]byte
+		k, err := l.r.Read(b[:])
+		if k > 0 {
+			l.exceeded = true
+			return 0, ErrTooLarge
+		}
+		return 0, err
+	}
+	if int64(len(p)) > l.n {
+		p = p[:l.n]
+	}
+	k, err := l.r.Read(p)
+	l.n -= int64(k)
+	if err != nil && !errors.Is(err, io.EOF) && l.err == nil {
+		l.err = err
+	}
+	return k, err
+}
+
+// Parse reads a Prometheus text exposition (format 0.0.4) of at most limit
+// bytes (DefaultMaxBody when limit <= 0) and extracts the load signals of a
+// vLLM or SGLang worker.
+//
+// Names are matched liberally: colon or underscore separators, any case,
+// with or without a "_total" suffix. Request counts are summed over every
+// label set (models, ranks); KV usage is the maximum. A NaN, infinite or
+// negative value is skipped, as if the series were absent; KV usage above 1
+// is clamped to 1. Parse never panics; errors wrap ErrTooLarge,
+// ErrMalformed, ErrNoLoadMetrics or the reader's own error.
+func Parse(r io.Reader, limit int64) (Sample, error) {
+	if limit <= 0 {
+		limit = DefaultMaxBody
+	}
+	lr := &limitedReader{r: r, n: limit}
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(lr)
+	if lr.exceeded {
+		return Sample{}, fmt.Errorf("%w (limit %d bytes)", ErrTooLarge, limit)
+	}
+	if lr.err != nil {
+		return Sample{}, fmt.Errorf("scrape: reading metrics: %w", lr.err)
+	}
+	if err != nil {
+		return Sample{}, fmt.Errorf("%w: %w", ErrMalformed, err)
+	}
+
+	var (
+		s        Sample
+		found    bool
+		ranks    map[int]*RankLoad
+		loraTime = math.Inf(-1)
+	)
+	rank := func(n int) *RankLoad {
+		if ranks == nil {
+			ranks = make(map[int]*RankLoad)
+		}
+		rl := ranks[n]
+		if rl == nil {
+			rl = &RankLoad{Rank: n}
+			ranks[n] = rl
+		}
+		return rl
+	}
+	for name, mf := range fams {
+		k := kinds[normalize(name)]
+		if k == kindNone {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			var v float64
+			switch {
+			case m.GetGauge() != nil:
+				v = m.GetGauge().GetValue()
+			case m.GetCounter() != nil:
+				v = m.GetCounter().GetValue()
+			case m.GetUntyped() != nil:
+				v = m.GetUntyped().GetValue()
+			default:
+				continue // a histogram or summary under a load name
+			}
+			if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
+				continue
+			}
+			var (
+				rankNo                                          = -1
+				blockSize, gpuBlocks, running, waiting, maxLoRA string
+			)
+			for _, lp := range m.GetLabel() {
+				switch lp.GetName() {
+				case "engine", "dp_rank":
+					if n, err := strconv.Atoi(lp.GetValue()); err == nil && n >= 0 && n < 1<<16 {
+						rankNo = n
+					}
+				case "block_size":
+					blockSize = lp.GetValue()
+				case "num_gpu_blocks":
+					gpuBlocks = lp.GetValue()
+				case "running_lora_adapters":
+					running = lp.GetValue()
+				case "waiting_lora_adapters":
+					waiting = lp.GetValue()
+				case "max_lora":
+					maxLoRA = lp.GetValue()
+				}
+			}
+			switch k {
+			case kindWaiting:
+				found = true
+				s.Waiting += v
+				if rankNo >= 0 {
+					rank(rankNo).Waiting += v
+				}
+			case kindRunning:
+				found = true
+				s.Running += v
+				if rankNo >= 0 {
+					rank(rankNo).Running += v
+				}
+			case kindKVUsage:
+				found = true
+				v = min(v, 1)
+				s.KVUsage = max2(s.KVUsage, v)
+				if rankNo >= 0 {
+					rl := rank(rankNo)
+					rl.KVUsage = max2(rl.KVUsage, v)
+				}
+			case kindCacheConfig:
+				if n := atoiPos(blockSize); n > 0 {
+					s.BlockSize = n
+				}
+				if n := atoiPos(gpuBlocks); n > 0 {
+					s.NumGPUBlocks = n
+				}
+			case kindLoRA:
+				// vLLM keeps one series per adapter set seen, valued with
+				// the time it was set: the newest wins.
+				if v < loraTime {
+					continue
+				}
+				loraTime = v
+				s.Adapters = adapters(running, waiting)
+				s.MaxLoRA = atoiPos(maxLoRA)
+			}
+		}
+	}
+	if !found {
+		return Sample{}, ErrNoLoadMetrics
+	}
+	s.Known = true
+	if len(ranks) > 0 {
+		s.Ranks = make([]RankLoad, 0, len(ranks))
+		for _, rl := range ranks {
+			s.Ranks = append(s.Ranks, *rl)
+		}
+		slices.SortFunc(s.Ranks, func(a, b RankLoad) int { return a.Rank - b.Rank })
+	}
+	return s, nil
+}
+
+func max2(a, b float64) float64 {
+	if b > a {
+		return b
+	}
+	return a
+}
+
+// atoiPos parses a positive int label ("16", or "16.0" as some exporters
+// write), returning 0 for anything else.
+func atoiPos(s string) int {
+	if s == "" {
+		return 0
+	}
+	if n, err := strconv.Atoi(s); err == nil {
+		return max(n, 0)
+	}
+	f, err := strconv.ParseFloat(s, 64)
+	if err != nil || !(f > 0) || f > math.MaxInt32 {
+		return 0
+	}
+	return int(f)
+}
+
+// adapters merges comma lists of adapter names, sorted and deduplicated.
+func adapters(lists ...string) []string {
+	var out []string
+	for _, l := range lists {
+		for a := range strings.SplitSeq(l, ",") {
+			if a = strings.TrimSpace(a); a != "" {
+				out = append(out, a)
+			}
+		}
+	}
+	slices.Sort(out)
+	return slices.Compact(out)
+}
