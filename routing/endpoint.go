@@ -38,6 +38,15 @@ type Endpoint struct {
 	Weight float64 `json:"weight,omitempty"`
 	// Labels are free-form discovery labels.
 	Labels map[string]string `json:"labels,omitempty"`
+	// KVEvents is the worker's KV-events ZMQ address (tcp://host:port);
+	// empty keeps the endpoint on the approximate index.
+	KVEvents string `json:"kv_events,omitempty"`
+	// KVEventsBind makes kvbandit bind that address and the worker connect
+	// (llm-d-inference-sim); vLLM binds its publisher, so kvbandit connects.
+	KVEventsBind bool `json:"kv_events_bind,omitempty"`
+	// KVEventsReplay is the worker's replay address (vLLM's
+	// replay_endpoint), used to fill sequence gaps.
+	KVEventsReplay string `json:"kv_events_replay,omitempty"`
 
 	// addr is the parsed Key, filled by Validate.
 	addr netip.AddrPort

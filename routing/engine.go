@@ -327,9 +327,9 @@ func (e *Engine) applyInserts() {
 }
 
 // ApplyKVEvent feeds one KV event of an endpoint's rank (-1 for a
-// single-rank endpoint) into the index and marks that rank event-fed: from
-// then on its cache contents come from events only, not from approximate
-// inserts. Events of one rank must be applied in order (the caller's
+// single-rank endpoint) into the index. Whether the endpoint's events are
+// complete (so approximate inserts stop) is said with TrustKVEvents. Events
+// of one rank must be applied in order (the caller's
 // per-endpoint consumer does that). Errors are the index's (unknown parent,
 // block size mismatch, unknown endpoint).
 func (e *Engine) ApplyKVEvent(ep EndpointKey, rank int, ev kvindex.Event) error {
@@ -341,9 +341,19 @@ func (e *Engine) ApplyKVEvent(ep EndpointKey, rank int, ev kvindex.Event) error 
 	if i >= len(st.ranks) {
 		return fmt.Errorf("%w: %s rank %d of %d", kvindex.ErrUnknownWorker, ep, rank, len(st.ranks))
 	}
-	rs := st.ranks[i]
-	rs.eventFed.Store(true)
-	return e.index.Apply(rs.worker, ev)
+	return e.index.Apply(st.ranks[i].worker, ev)
+}
+
+// TrustKVEvents says whether an endpoint's KV events can be trusted to
+// describe its whole cache (no gap since a known state). A trusted endpoint
+// gets no approximate inserts; an untrusted one is indexed approximately
+// again, on top of what its events said, until it is trusted again.
+func (e *Engine) TrustKVEvents(ep EndpointKey, trusted bool) {
+	if st, ok := e.snap.Load().byKey[ep]; ok {
+		for _, rs := range st.ranks {
+			rs.eventFed.Store(trusted)
+		}
+	}
 }
 
 // DroppedInserts counts approximate inserts dropped because the index

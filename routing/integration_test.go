@@ -248,6 +248,7 @@ func TestEventFedEndpoint(t *testing.T) {
 	for i := range 4 {
 		blocks = append(blocks, kvindex.StoredBlock{EngineHash: uint64(1000 + i), Tokens: prompt[16*i : 16*i+16]})
 	}
+	e.TrustKVEvents("10.0.0.2:8000", true)
 	if err := e.ApplyKVEvent("10.0.0.2:8000", -1, kvindex.Event{Kind: kvindex.Stored, BlockSize: 16, Blocks: blocks}); err != nil {
 		t.Fatal(err)
 	}

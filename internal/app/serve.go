@@ -26,6 +26,8 @@ import (
 
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/kvevents"
+	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/scrape"
 )
@@ -410,6 +412,29 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		bg.Add(1)
 		go func() { defer bg.Done(); _ = sc.Run(bgCtx) }()
 	}
+	if fileCfg.Router.KVEvents {
+		for _, ep := range set.Endpoints {
+			if ep.KVEvents == "" {
+				continue
+			}
+			key := ep.Key
+			sub, err := kvevents.Subscribe(bgCtx, kvevents.Config{Endpoint: string(key), Address: ep.KVEvents, Bind: ep.KVEventsBind, ReplayAddress: ep.KVEventsReplay}, kvevents.Deps{
+				Logger: log,
+				Apply: func(_ string, rank int, ev kvindex.Event) error {
+					return engine.ApplyKVEvent(key, rank, ev)
+				},
+				OnTrust: func(_ string, trusted bool) {
+					engine.TrustKVEvents(key, trusted)
+					log.Info("KV events", "endpoint", key, "trusted", trusted)
+				},
+			})
+			if err != nil {
+				return fmt.Errorf("endpoint %s kv_events: %w", key, err)
+			}
+			defer sub.Close()
+			reg.MustRegister(kvEventsCollector{key: string(key), s: sub})
+		}
+	}
 	errc := make(chan error, 3)
 	go func() { errc <- serveGRPC(gs, gl, "ext_proc") }()
 	go func() { errc <- serveGRPC(hgs, hl, "health") }()
@@ -491,4 +516,33 @@ func (c scrapeCollector) Collect(ch chan<- prometheus.Metric) {
 	for reason, n := range c.s.Stats().ByReason() {
 		ch <- prometheus.MustNewConstMetric(scrapeDesc, prometheus.CounterValue, float64(n), reason)
 	}
+}
+
+// kvEventsCollector exports one endpoint's KV-event subscriber counters.
+type kvEventsCollector struct {
+	key string
+	s   *kvevents.Sub
+}
+
+var (
+	kvEventsDesc  = prometheus.NewDesc("kvbandit_kv_events_total", "KV event messages and outcomes per endpoint.", []string{"endpoint", "kind"}, nil)
+	kvTrustedDesc = prometheus.NewDesc("kvbandit_kv_events_trusted", "1 while the endpoint's KV events describe its whole cache; 0 while it is indexed approximately.", []string{"endpoint"}, nil)
+)
+
+func (kvEventsCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- kvEventsDesc
+	ch <- kvTrustedDesc
+}
+
+func (c kvEventsCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.s.Stats()
+	for kind, n := range map[string]uint64{"messages": st.Messages, "blocks": st.Blocks, "malformed": st.Malformed, "dropped": st.Dropped,
+		"gaps": st.Gaps, "restarts": st.Restarts, "resyncs": st.Resyncs, "replays": st.Replays, "unknown_parent": st.UnknownParent} {
+		ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(n), c.key, kind)
+	}
+	trusted := 0.0
+	if st.Trusted {
+		trusted = 1
+	}
+	ch <- prometheus.MustNewConstMetric(kvTrustedDesc, prometheus.GaugeValue, trusted, c.key)
 }
