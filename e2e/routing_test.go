@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -13,6 +12,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/e2e/envoysim"
 	"github.com/kvbandit/kvbandit/e2e/worker"
+	"github.com/kvbandit/kvbandit/tokenizer/tokenizertest"
 )
 
 // conversation builds turn n of an agent session: a shared system prompt,
@@ -82,15 +82,7 @@ func TestKVPoliciesKeepSessionsTogether(t *testing.T) {
 // chat template), requests are routed on real token ids (no fallback to
 // the byte estimate), and an agent session still stays on one worker.
 func TestRealTokenizer(t *testing.T) {
-	dir := os.Getenv("KVBANDIT_FIXTURES")
-	if dir == "" {
-		home, _ := os.UserHomeDir()
-		dir = filepath.Join(home, ".cache", "kvbandit", "fixtures")
-	}
-	tok := filepath.Join(dir, "qwen3")
-	if _, err := os.Stat(filepath.Join(tok, "tokenizer.json")); err != nil {
-		t.Fatalf("missing fixture: run make fixtures (%v)", err)
-	}
+	tok := filepath.Join(tokenizertest.Require(t, "qwen3/tokenizer.json"), "qwen3")
 	_, addrs := startWorkers(t, 3, worker.Config{})
 	k := startKvbandit(t, addrs, "--policy", "kvbandit", "--tokenizer", tok)
 	p := startProxy(t, k, envoysim.Config{})

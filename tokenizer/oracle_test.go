@@ -10,6 +10,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/kvbandit/kvbandit/tokenizer/tokenizertest"
 )
 
 // The oracle tests compare Encode with Hugging Face tokenizers@0.23.2 (run
@@ -20,20 +22,11 @@ var oracleModels = []string{"qwen3", "llama3_1", "llama2"}
 
 func fixturesDir(t testing.TB) string {
 	t.Helper()
-	dir := os.Getenv("KVBANDIT_FIXTURES")
-	if dir == "" {
-		home, err := os.UserHomeDir()
-		if err != nil {
-			t.Fatalf("no home directory (%v); set KVBANDIT_FIXTURES or run tokenizer/testdata/fixtures.sh", err)
-		}
-		dir = filepath.Join(home, ".cache", "kvbandit", "fixtures")
+	files := make([]string, len(oracleModels))
+	for i, m := range oracleModels {
+		files[i] = filepath.Join(m, "tokenizer.json")
 	}
-	for _, m := range oracleModels {
-		if _, err := os.Stat(filepath.Join(dir, m, "tokenizer.json")); err != nil {
-			t.Fatalf("fixture %s missing in %s: run tokenizer/testdata/fixtures.sh", m, dir)
-		}
-	}
-	return dir
+	return tokenizertest.Require(t, files...)
 }
 
 var loadCache sync.Map // path -> *BPE; loading takes ~0.3 s

@@ -24,6 +24,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/envoy"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/tokenizer/tokenizertest"
 )
 
 func TestMain(m *testing.M) {
@@ -273,15 +274,7 @@ func TestEveryPolicyServes(t *testing.T) {
 }
 
 func TestTokenizeCommand(t *testing.T) {
-	dir := os.Getenv("KVBANDIT_FIXTURES")
-	if dir == "" {
-		home, _ := os.UserHomeDir()
-		dir = filepath.Join(home, ".cache", "kvbandit", "fixtures")
-	}
-	tok := filepath.Join(dir, "qwen3")
-	if _, err := os.Stat(filepath.Join(tok, "tokenizer.json")); err != nil {
-		t.Fatalf("missing fixture: run tokenizer/testdata/fixtures.sh (%v)", err)
-	}
+	tok := filepath.Join(tokenizertest.Require(t, "qwen3/tokenizer.json"), "qwen3")
 	run := func(stdin string, args ...string) []uint32 {
 		t.Helper()
 		var out, errw bytes.Buffer

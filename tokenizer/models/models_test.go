@@ -11,26 +11,15 @@ import (
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/kvbandit/kvbandit/tokenizer/tokenizertest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func fixtures(t *testing.T) string {
 	t.Helper()
-	dir := os.Getenv("KVBANDIT_FIXTURES")
-	if dir == "" {
-		home, err := os.UserHomeDir()
-		if err != nil {
-			t.Fatal(err)
-		}
-		dir = filepath.Join(home, ".cache", "kvbandit", "fixtures")
-	}
-	for _, f := range []string{"qwen3/tokenizer.json", "qwen3/tokenizer_config.json", "oracle/node_modules/tokenizers"} {
-		if _, err := os.Stat(filepath.Join(dir, f)); err != nil {
-			t.Fatalf("missing fixture %s: run tokenizer/testdata/fixtures.sh and tokenizer/chat/testdata/fixtures.sh", f)
-		}
-	}
-	return dir
+	return tokenizertest.Require(t, "qwen3/tokenizer.json", "qwen3/tokenizer_config.json", "oracle/node_modules/tokenizers")
 }
 
 var conversations = []string{
