@@ -3,6 +3,7 @@ package routing
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"slices"
@@ -47,9 +48,25 @@ type Endpoint struct {
 	// KVEventsReplay is the worker's replay address (vLLM's
 	// replay_endpoint), used to fill sequence gaps.
 	KVEventsReplay string `json:"kv_events_replay,omitempty"`
+	// MetricsURL is the worker's Prometheus endpoint; empty means
+	// http://<address>/metrics.
+	MetricsURL string `json:"metrics_url,omitempty"`
 
 	// addr is the parsed Key, filled by Validate.
 	addr netip.AddrPort
+}
+
+// Engines lists the worker engines an endpoint may declare ("" = unknown).
+var Engines = []string{"", "vllm", "sglang"}
+
+// Equal reports whether e and o describe the same endpoint with the same
+// metadata.
+func (e *Endpoint) Equal(o *Endpoint) bool {
+	return e.Key == o.Key && slices.Equal(e.Models, o.Models) && slices.Equal(e.Adapters, o.Adapters) &&
+		e.Engine == o.Engine && e.BlockSize == o.BlockSize && e.MaxBatchedTokens == o.MaxBatchedTokens &&
+		e.DataParallelSize == o.DataParallelSize && e.Weight == o.Weight && maps.Equal(e.Labels, o.Labels) &&
+		e.KVEvents == o.KVEvents && e.KVEventsBind == o.KVEventsBind && e.KVEventsReplay == o.KVEventsReplay &&
+		e.MetricsURL == o.MetricsURL
 }
 
 // Addr returns the parsed address (valid after [EndpointSet.Validate]).
@@ -103,6 +120,8 @@ func (s *EndpointSet) Validate() error {
 			return fmt.Errorf("%w: endpoint %q: negative data_parallel_size", ErrInvalidEndpointSet, e.Key)
 		case e.Weight < 0 || e.Weight != e.Weight:
 			return fmt.Errorf("%w: endpoint %q: weight must be a non-negative number", ErrInvalidEndpointSet, e.Key)
+		case !slices.Contains(Engines, e.Engine):
+			return fmt.Errorf("%w: endpoint %q: unknown engine %q (want vllm or sglang)", ErrInvalidEndpointSet, e.Key, e.Engine)
 		}
 		e.addr = ap
 	}

@@ -9,13 +9,14 @@ type Endpoints interface {
 }
 
 // EngineTargets returns a Deps.Targets that scrapes every endpoint of the
-// engine's current snapshot at http://<key>/metrics.
+// engine's current snapshot at its metrics URL (http://<key>/metrics unless
+// discovery gave one).
 func EngineTargets(e Endpoints) func() []Target {
 	return func() []Target {
 		eps := e.Endpoints()
 		ts := make([]Target, 0, len(eps))
 		for _, ep := range eps {
-			ts = append(ts, Target{Key: string(ep.Key)})
+			ts = append(ts, Target{Key: string(ep.Key), URL: ep.MetricsURL})
 		}
 		return ts
 	}

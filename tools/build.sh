@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# build.sh NAME... — build third-party tool binaries from their tools module
+# (tools/NAME, pinned in its go.mod) into the cache, keyed by the module's
+# content so a version bump rebuilds and nothing else does. Prints each
+# binary's path. Cache: $KVBANDIT_TOOLS or ~/.cache/kvbandit/tools.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+cache="${KVBANDIT_TOOLS:-$HOME/.cache/kvbandit/tools}"
+declare -A pkg=(
+  [etcd]=github.com/kvbandit/kvbandit/tools/etcd
+  [llm-d-inference-sim]=github.com/llm-d/llm-d-inference-sim/cmd/llm-d-inference-sim
+)
+for name in "$@"; do
+  dir="$here/$name"
+  [[ -n "${pkg[$name]:-}" && -f "$dir/go.mod" ]] || { echo "build.sh: unknown tool $name" >&2; exit 2; }
+  key="$(cat "$dir"/go.mod "$dir"/go.sum "$dir"/*.go 2>/dev/null | sha256sum | cut -c1-12)"
+  out="$cache/$name-$key/$name"
+  if [[ ! -x "$out" ]]; then
+    echo "building $name ($key) ..." >&2
+    mkdir -p "$(dirname "$out")"
+    (cd "$dir" && GOWORK=off CGO_ENABLED=0 go build -trimpath -o "$out.tmp" "${pkg[$name]}") && mv "$out.tmp" "$out"
+  fi
+  echo "$out"
+done
