@@ -13,7 +13,7 @@ declare -A pkg=(
 for name in "$@"; do
   dir="$here/$name"
   [[ -n "${pkg[$name]:-}" && -f "$dir/go.mod" ]] || { echo "build.sh: unknown tool $name" >&2; exit 2; }
-  key="$(cat "$dir"/go.mod "$dir"/go.sum "$dir"/*.go 2>/dev/null | sha256sum | cut -c1-12)"
+  key="$(cat "$dir"/go.mod "$dir"/go.sum $(ls "$dir"/*.go 2>/dev/null) | sha256sum | cut -c1-12)"
   out="$cache/$name-$key/$name"
   if [[ ! -x "$out" ]]; then
     echo "building $name ($key) ..." >&2
