@@ -50,6 +50,13 @@ type Live struct {
 	// blockSize is the block size the worker reports (vllm:cache_config_info);
 	// 0 until known. Discovery's block size, when given, wins.
 	blockSize atomic.Int64
+	// rankLoads is each rank's scraped load (one per rank); nil unless the
+	// endpoint has several ranks and the worker reports them.
+	rankLoads atomic.Pointer[[]Load]
+	// health is the endpoint's ejection state.
+	health health
+	// adapters are the LoRA adapters the worker reported.
+	adapters adapterSet
 
 	// InFlight is the number of decisions on the endpoint whose Done has
 	// not been called yet.
@@ -142,6 +149,14 @@ type Options struct {
 	// use it for determinism; serving leaves it off so that Pick never
 	// takes the index's writer lock.
 	SyncIndex bool
+	// Ejection configures passive (outcomes) and active (scrapes)
+	// ejection of unhealthy endpoints.
+	Ejection EjectionOptions
+	// AdapterRetention is how long a LoRA adapter reported by an
+	// endpoint's worker keeps routing its model there after the worker
+	// last reported it (default 10 minutes; negative: only the latest
+	// report counts).
+	AdapterRetention time.Duration
 }
 
 // insert is one approximate index insert queued off the request path.
@@ -173,6 +188,10 @@ func (o *Options) defaults() {
 	if o.DefaultMaxBatchedTokens <= 0 {
 		o.DefaultMaxBatchedTokens = DefaultMaxBatchedTokens
 	}
+	if o.AdapterRetention == 0 {
+		o.AdapterRetention = DefaultAdapterRetention
+	}
+	o.Ejection.defaults()
 }
 
 // rankState is one data-parallel rank of an endpoint.
@@ -244,6 +263,9 @@ type Engine struct {
 	bufs  sync.Pool // *scratch
 
 	expired atomic.Int64
+	// ejectErrors and ejectScrape count ejections by reason.
+	ejectErrors atomic.Int64
+	ejectScrape atomic.Int64
 	// inserts feeds the index goroutine (nil with SyncIndex).
 	inserts      chan insert
 	insertsDone  chan struct{}
@@ -472,14 +494,16 @@ func (e *Engine) Score(_ context.Context, req *Request) (*Decision, error) {
 	return e.decide(req, false)
 }
 
-// candidates filters the snapshot by model and subset hint.
-func (s *snapshot) candidates(req *Request, passThrough bool) ([]*EndpointState, error) {
+// candidates filters the snapshot by model and subset hint, then drops
+// ejected endpoints (at now, unix nanos) unless health is false or every
+// eligible endpoint is ejected.
+func (s *snapshot) candidates(req *Request, passThrough, health bool, now int64) ([]*EndpointState, error) {
 	if len(s.states) == 0 {
 		return nil, ErrNoEndpoints
 	}
 	filterModel := req.Model != ""
 	if filterModel && !s.anyModel {
-		if _, ok := s.models[req.Model]; !ok {
+		if _, ok := s.models[req.Model]; !ok && !s.scrapedAdapter(req.Model) {
 			if !passThrough {
 				return nil, fmt.Errorf("%w: %q", ErrModelNotFound, req.Model)
 			}
@@ -487,6 +511,9 @@ func (s *snapshot) candidates(req *Request, passThrough bool) ([]*EndpointState,
 		}
 	}
 	if !filterModel && req.Subset == nil {
+		if health {
+			return filterHealthy(s.states, now, false), nil
+		}
 		return s.states, nil
 	}
 	out := make([]*EndpointState, 0, len(s.states))
@@ -505,7 +532,21 @@ func (s *snapshot) candidates(req *Request, passThrough bool) ([]*EndpointState,
 		}
 		return nil, ErrNoEndpoints
 	}
+	if health {
+		out = filterHealthy(out, now, true)
+	}
 	return out, nil
+}
+
+// scrapedAdapter reports whether some endpoint's worker reported model as
+// a LoRA adapter (the slow path for models discovery does not declare).
+func (s *snapshot) scrapedAdapter(model ModelName) bool {
+	for _, st := range s.states {
+		if st.adapters.has(model) {
+			return true
+		}
+	}
+	return false
 }
 
 // newLive makes the live state of a new endpoint: one slot and one index
@@ -608,13 +649,17 @@ func (e *Engine) blockSize(st *EndpointState) int {
 // ReportLoad publishes an endpoint's scraped load and, when the worker
 // reports it, its KV block size (0: unknown). It is called by the load
 // scraper, off the request path; an unknown endpoint is ignored. It wakes
-// the admission queue, since load data may have freed capacity.
+// the admission queue, since load data may have freed capacity. Known,
+// fresh load (a good scrape) ends an ejection for failed scrapes.
 func (e *Engine) ReportLoad(ep EndpointKey, ld Load, blockSize int) bool {
 	st, ok := e.snap.Load().byKey[ep]
 	if !ok {
 		return false
 	}
 	st.SetLoad(ld)
+	if ld.Known && !ld.Stale {
+		e.scrapeOK(st)
+	}
 	if blockSize > 0 {
 		st.Live.blockSize.Store(int64(blockSize))
 	}
@@ -638,7 +683,8 @@ type keySpace struct {
 
 func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	snap := e.snap.Load()
-	eps, err := snap.candidates(req, e.opts.PassThroughUnknownModels)
+	now := e.clk.Now()
+	eps, err := snap.candidates(req, e.opts.PassThroughUnknownModels, !e.opts.Ejection.Disabled, now.UnixNano())
 	if err != nil {
 		return nil, err
 	}
@@ -646,7 +692,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	for _, st := range eps {
 		n += len(st.ranks)
 	}
-	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: e.clk.Now(), Candidates: make([]Candidate, 0, n), WantRanked: e.opts.Fallbacks > 0}
+	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: now, Candidates: make([]Candidate, 0, n), WantRanked: e.opts.Fallbacks > 0}
 	sb := e.bufs.Get().(*scratch)
 	defer e.bufs.Put(sb)
 	timed := commit && e.deps.OnTimings != nil
@@ -690,6 +736,13 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	for _, st := range eps {
 		si := space(e.blockSize(st))
 		ks := &spaceList[si]
+		ld := st.Live.load()
+		var rankLoads []Load
+		if len(st.ranks) > 1 {
+			if p := st.rankLoads.Load(); p != nil && len(*p) == len(st.ranks) {
+				rankLoads = *p
+			}
+		}
 		for r, rs := range st.ranks {
 			c := Candidate{State: st, DPRank: -1, NewBlocks: len(ks.keys)}
 			if len(st.ranks) > 1 {
@@ -706,7 +759,10 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 			}
 			c.ActivePrefillTokens = rs.slot.PrefillTokens()
 			c.ActiveBlocks = rs.slot.Blocks()
-			c.Load = st.Live.load()
+			c.Load = ld
+			if rankLoads != nil {
+				c.Load.Waiting, c.Load.Running, c.Load.KVUsage = rankLoads[r].Waiting, rankLoads[r].Running, rankLoads[r].KVUsage
+			}
 			sc.Candidates = append(sc.Candidates, c)
 			spaceOf = append(spaceOf, int8(si))
 		}
@@ -820,8 +876,25 @@ func (e *Engine) end(d *Decision, o Outcome) {
 	if e.queue != nil {
 		e.queue.Wake()
 	}
+	if l, key := e.servedBy(d, o); l != nil {
+		e.observe(key, l, o)
+	}
 	e.policy.Done(d, o)
 	if e.deps.OnDone != nil {
 		e.deps.OnDone(d, o)
 	}
+}
+
+// servedBy returns the live state of the endpoint that served d: the
+// outcome's Served endpoint when the data plane reports one (Envoy may
+// have retried elsewhere), else the chosen one. It is nil for a served
+// endpoint that has left the set.
+func (e *Engine) servedBy(d *Decision, o Outcome) (*Live, EndpointKey) {
+	if o.Served == "" || o.Served == d.Endpoint {
+		return d.live, d.Endpoint
+	}
+	if st, ok := e.snap.Load().byKey[o.Served]; ok {
+		return st.Live, o.Served
+	}
+	return nil, o.Served
 }

@@ -21,6 +21,8 @@ type Collector struct {
 	insertsDrop   *prometheus.Desc
 	queueDepth    *prometheus.Desc
 	queueOutcomes *prometheus.Desc
+	ejections     *prometheus.Desc
+	ejected       *prometheus.Desc
 }
 
 var _ prometheus.Collector = (*Collector)(nil)
@@ -42,12 +44,14 @@ func NewCollector(e *Engine) *Collector {
 		insertsDrop:   prometheus.NewDesc("kvbandit_index_inserts_dropped_total", "Approximate index inserts dropped because the index goroutine fell behind.", nil, nil),
 		queueDepth:    prometheus.NewDesc("kvbandit_queue_depth", "Requests waiting in the admission queue.", nil, nil),
 		queueOutcomes: prometheus.NewDesc("kvbandit_queue_requests_total", "Admission queue results.", []string{"result"}, nil),
+		ejections:     prometheus.NewDesc("kvbandit_endpoint_ejections_total", "Endpoint ejections, by reason (errors: consecutive failed outcomes; scrape: consecutive failed metrics scrapes).", []string{"reason"}, nil),
+		ejected:       prometheus.NewDesc("kvbandit_endpoints_ejected", "Endpoints of the current set that are ejected.", nil, nil),
 	}
 }
 
 // Describe implements [prometheus.Collector].
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.inflight, c.decisions, c.endpoints, c.prefill, c.blocks, c.indexEntries, c.indexBlocks, c.indexEvents, c.indexDropped, c.expired, c.insertsDrop, c.queueDepth, c.queueOutcomes} {
+	for _, d := range []*prometheus.Desc{c.inflight, c.decisions, c.endpoints, c.prefill, c.blocks, c.indexEntries, c.indexBlocks, c.indexEvents, c.indexDropped, c.expired, c.insertsDrop, c.queueDepth, c.queueOutcomes, c.ejections, c.ejected} {
 		ch <- d
 	}
 }
@@ -56,8 +60,13 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	states := c.e.Endpoints()
 	ch <- prometheus.MustNewConstMetric(c.endpoints, prometheus.GaugeValue, float64(len(states)))
+	now := c.e.clk.Now()
+	ejected := 0
 	for _, st := range states {
 		k := string(st.Key)
+		if st.Ejected(now) {
+			ejected++
+		}
 		ch <- prometheus.MustNewConstMetric(c.inflight, prometheus.GaugeValue, float64(st.InFlight.Load()), k)
 		ch <- prometheus.MustNewConstMetric(c.decisions, prometheus.CounterValue, float64(st.Decisions.Load()), k)
 		ch <- prometheus.MustNewConstMetric(c.prefill, prometheus.GaugeValue, float64(st.InFlightPrefill()), k)
@@ -78,6 +87,10 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.indexDropped, prometheus.CounterValue, float64(is.Pruned), "pruned")
 	ch <- prometheus.MustNewConstMetric(c.expired, prometheus.CounterValue, float64(c.e.Expired()))
 	ch <- prometheus.MustNewConstMetric(c.insertsDrop, prometheus.CounterValue, float64(c.e.DroppedInserts()))
+	ch <- prometheus.MustNewConstMetric(c.ejected, prometheus.GaugeValue, float64(ejected))
+	byErrors, byScrape := c.e.Ejections()
+	ch <- prometheus.MustNewConstMetric(c.ejections, prometheus.CounterValue, float64(byErrors), EjectReasonErrors)
+	ch <- prometheus.MustNewConstMetric(c.ejections, prometheus.CounterValue, float64(byScrape), EjectReasonScrape)
 	if q := c.e.queue; q != nil {
 		qs := q.Stats()
 		ch <- prometheus.MustNewConstMetric(c.queueDepth, prometheus.GaugeValue, float64(qs.Depth))

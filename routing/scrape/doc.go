@@ -5,9 +5,10 @@
 // requests, KV cache usage, the KV block size, LoRA adapters and per-rank
 // load for data-parallel workers. A [Scraper] polls every target each
 // interval with bounded concurrency, publishes each good sample, and marks
-// a target stale when it has not answered for a while; the caller turns
-// samples into [routing.Load] values with [Sample.Load] and hands them to
-// the engine (Live.SetLoad).
+// a target stale when it has not answered for a while. [EnginePublish]
+// hands samples to a [routing.Engine] (load, block size, per-rank load and
+// LoRA adapters) and [EngineFailure] reports failed scrapes to it, which
+// ejects endpoints whose metrics stop answering.
 //
 // # Concurrency
 //

@@ -25,14 +25,69 @@ func EngineTargets(e Endpoints) func() []Target {
 // Reporter is the part of [routing.Engine] that takes scraped load.
 type Reporter interface {
 	ReportLoad(ep routing.EndpointKey, ld routing.Load, blockSize int) bool
+	ReportAdapters(ep routing.EndpointKey, adapters []routing.ModelName) bool
+	ReportRankLoads(ep routing.EndpointKey, ranks []routing.Load) bool
 }
 
-// EnginePublish returns a Deps.Publish that reports each sample's load and
-// the worker's block size (vllm:cache_config_info) to the engine; a sample
-// for an endpoint that has left is dropped. Adapters and per-rank load are
-// parsed but not passed on yet.
+var _ Reporter = (*routing.Engine)(nil)
+
+// EnginePublish returns a Deps.Publish that reports each sample to the
+// engine: the LoRA adapters the worker runs (vllm:lora_requests_info), the
+// load of each data-parallel rank when the worker labels its series by
+// rank, then the endpoint's load and block size (vllm:cache_config_info).
+// A sample for an endpoint that has left is dropped. Stale marks are
+// reported too; they do not end an ejection for failed scrapes.
 func EnginePublish(e Reporter) func(Target, Sample) {
 	return func(t Target, s Sample) {
-		e.ReportLoad(routing.EndpointKey(t.Key), s.Load(), s.BlockSize)
+		key := routing.EndpointKey(t.Key)
+		if !s.Stale {
+			adapters := make([]routing.ModelName, len(s.Adapters))
+			for i, a := range s.Adapters {
+				adapters[i] = routing.ModelName(a)
+			}
+			if !e.ReportAdapters(key, adapters) {
+				return
+			}
+			e.ReportRankLoads(key, s.rankLoads())
+		}
+		e.ReportLoad(key, s.Load(), s.BlockSize)
+	}
+}
+
+// rankLoads returns the per-rank load indexed by rank, or nil unless the
+// sample has two or more ranks numbered 0, 1, ... without gaps (vLLM's
+// engine label on a data-parallel worker).
+func (s Sample) rankLoads() []routing.Load {
+	if len(s.Ranks) < 2 {
+		return nil
+	}
+	out := make([]routing.Load, len(s.Ranks))
+	for i, r := range s.Ranks {
+		if r.Rank != i {
+			return nil
+		}
+		out[i] = routing.Load{Waiting: r.Waiting, Running: r.Running, KVUsage: r.KVUsage, Known: s.Known, Stale: s.Stale}
+	}
+	return out
+}
+
+// FailureReporter is the part of [routing.Engine] that takes failed
+// scrapes.
+type FailureReporter interface {
+	ReportScrapeFailure(ep routing.EndpointKey) bool
+}
+
+var _ FailureReporter = (*routing.Engine)(nil)
+
+// EngineFailure returns a Deps.OnError that reports every failed scrape
+// (timeout, non-200 status, oversized or malformed body, no load metrics,
+// connection error) to the engine, which ejects an endpoint after several
+// in a row, and then calls next when it is not nil (for logging).
+func EngineFailure(e FailureReporter, next func(Target, error)) func(Target, error) {
+	return func(t Target, err error) {
+		e.ReportScrapeFailure(routing.EndpointKey(t.Key))
+		if next != nil {
+			next(t, err)
+		}
 	}
 }
