@@ -13,6 +13,11 @@
 //
 // docs/envoy.md explains the settings.
 //
+// eds.yaml is hand-written: sidecar.yaml with the worker cluster of type EDS, fed by kvbandit's
+// EDS server (package routing/discovery/eds, on 127.0.0.1:18000 through cluster kvbandit_xds) for
+// dynamic discovery. A test keeps everything else in it equal to sidecar.yaml; docs/eds.md
+// explains it.
+//
 // # Validation
 //
 // No Envoy binary is available to load a config, so [Validate] checks one against Envoy's own

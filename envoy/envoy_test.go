@@ -259,6 +259,27 @@ func TestValidateRejectsBrokenCopies(t *testing.T) {
 			want:  []string{`duplicate cluster name "kvbandit_ext_proc"`},
 		},
 		{
+			name:  "EDS config source pointing at an undefined cluster",
+			base:  "eds.yaml",
+			edits: []edit{{"envoy_grpc: { cluster_name: kvbandit_xds }", "envoy_grpc: { cluster_name: kvbandit_xdss }"}},
+			rule:  envoy.ErrClusterRef,
+			want:  []string{"eds_cluster_config.eds_config.api_config_source.grpc_services[0].envoy_grpc.cluster_name", `cluster "kvbandit_xdss" is not defined`},
+		},
+		{
+			name:  "EDS config source with a bad api_type",
+			base:  "eds.yaml",
+			edits: []edit{{"api_type: GRPC", "api_type: GPRC"}},
+			rule:  envoy.ErrDecode,
+			want:  []string{`invalid value for enum field apiType: "GPRC"`},
+		},
+		{
+			name:  "override_host with a header source in eds.yaml",
+			base:  "eds.yaml",
+			edits: []edit{{metadataSource, "\n            override_host_sources:\n            - header: x-gateway-destination-endpoint\n"}},
+			rule:  envoy.ErrOverrideHost,
+			want:  []string{`header source "x-gateway-destination-endpoint"`},
+		},
+		{
 			name:  "router before ext_proc",
 			edits: []edit{{routerFilter, "\n"}, {extProcFilter, routerFilter + extProcFilter[1:]}},
 			rule:  envoy.ErrFilterOrder,
