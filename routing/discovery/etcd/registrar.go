@@ -146,7 +146,9 @@ func (r *Registrar) register(ctx context.Context, cli *clientv3.Client, lease *c
 	if r.reg.OnRegistered != nil {
 		r.reg.OnRegistered(int64(g.ID))
 	}
-	for range ka { //nolint:revive // drain the renewals until the channel closes
+	for range ka {
+		// Renewals arrive here until the keepalive stops: ctx ended, the
+		// lease expired, or etcd was unreachable for a whole TTL.
 	}
 	if err := ctx.Err(); err != nil {
 		return err
