@@ -43,6 +43,32 @@ type FileConfig struct {
 	Models map[string]ModelConfig `json:"models,omitempty"`
 	// Tokenizer tunes tokenization.
 	Tokenizer TokenizerConfig `json:"tokenizer"`
+	// Discovery selects a dynamic source of endpoints (instead of the
+	// static endpoints list) and the EDS server.
+	Discovery DiscoveryConfig `json:"discovery"`
+}
+
+// DiscoveryConfig selects where the endpoints come from. At most one of
+// File and Etcd is set, and then the static endpoints list is empty.
+type DiscoveryConfig struct {
+	// File is a YAML/JSON file of endpoint records, reloaded on change.
+	File *FileDiscoveryConfig `json:"file,omitempty"`
+	// EDS serves the endpoint set to Envoy as its workers cluster.
+	EDS *EDSConfig `json:"eds,omitempty"`
+}
+
+// FileDiscoveryConfig is the file source.
+type FileDiscoveryConfig struct {
+	Path         string  `json:"path"`
+	IntervalSecs float64 `json:"interval_secs"`
+}
+
+// EDSConfig is the EDS (xDS) server.
+type EDSConfig struct {
+	// Addr is the xDS gRPC listen address (e.g. 127.0.0.1:18000).
+	Addr string `json:"addr"`
+	// Cluster is the workers cluster's EDS service name.
+	Cluster string `json:"cluster"`
 }
 
 // ModelConfig is one served model's settings.
@@ -166,12 +192,38 @@ func (c *FileConfig) Validate() error {
 	case !(c.Tokenizer.TimeoutSecs > 0):
 		return fmt.Errorf("tokenizer.timeout_secs: must be > 0, got %v", c.Tokenizer.TimeoutSecs)
 	}
+	if err := c.Discovery.validate(len(c.Endpoints) > 0); err != nil {
+		return err
+	}
 	for name, m := range c.Models {
 		if m.Tokenizer == "" {
 			return fmt.Errorf("models[%q].tokenizer: must not be empty", name)
 		}
 	}
 	return c.Config.Validate()
+}
+
+func (d *DiscoveryConfig) validate(static bool) error {
+	sources := 0
+	if static {
+		sources++
+	}
+	if d.File != nil {
+		sources++
+		if d.File.Path == "" {
+			return fmt.Errorf("discovery.file.path: must not be empty")
+		}
+		if d.File.IntervalSecs < 0 {
+			return fmt.Errorf("discovery.file.interval_secs: must be >= 0")
+		}
+	}
+	if sources > 1 {
+		return fmt.Errorf("discovery: give one source of endpoints (endpoints, discovery.file or discovery.etcd)")
+	}
+	if d.EDS != nil && d.EDS.Addr == "" {
+		return fmt.Errorf("discovery.eds.addr: must not be empty")
+	}
+	return nil
 }
 
 func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }

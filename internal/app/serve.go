@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -26,8 +27,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/routing"
-	"github.com/kvbandit/kvbandit/routing/kvevents"
-	"github.com/kvbandit/kvbandit/routing/kvindex"
+	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/scrape"
 )
@@ -45,6 +45,7 @@ type ServeOptions struct {
 	HealthAddr         string
 	MetricsAddr        string
 	Endpoints          string
+	EndpointsFile      string
 	ConfigPath         string
 	Policy             string
 	Seed               int64
@@ -81,6 +82,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.HealthAddr, "health-addr", ":9003", "gRPC health listen address (services liveness, readiness, "+healthExtProc+")")
 	fs.StringVar(&o.MetricsAddr, "metrics-addr", ":9090", "Prometheus /metrics and /debug admin listen address; empty disables")
 	fs.StringVar(&o.Endpoints, "endpoints", "", "static workers \"ip:port[,ip:port...]\" (the same list as the Envoy cluster's hosts)")
+	fs.StringVar(&o.EndpointsFile, "endpoints-file", "", "YAML/JSON file of endpoint records (address, models, engine, block_size, kv_events, ...), reloaded on change")
 	fs.StringVar(&o.ConfigPath, "config", "", "YAML config file (endpoints with metadata, policy parameters)")
 	fs.StringVar(&o.Policy, "policy", policy.Default, "routing policy: "+strings.Join(policy.Builtin().Names(), " | "))
 	fs.Int64Var(&o.Seed, "seed", 0, "random seed for reproducible decisions (0 = random)")
@@ -140,8 +142,11 @@ func (o *ServeOptions) Validate() error {
 	if o.StopGrace < 0 {
 		errs = append(errs, errors.New("--stop-grace must be >= 0"))
 	}
-	if o.Endpoints == "" && o.ConfigPath == "" {
-		errs = append(errs, errors.New("no workers: give --endpoints or --config with endpoints"))
+	if o.Endpoints == "" && o.ConfigPath == "" && o.EndpointsFile == "" {
+		errs = append(errs, errors.New("no workers: give --endpoints, --endpoints-file or --config with endpoints or a discovery source"))
+	}
+	if o.Endpoints != "" && o.EndpointsFile != "" {
+		errs = append(errs, errors.New("give --endpoints or --endpoints-file, not both"))
 	}
 	if _, err := parseLevel(o.LogLevel); err != nil {
 		errs = append(errs, err)
@@ -279,19 +284,12 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	if err := o.applyFlags(&fileCfg); err != nil {
 		return fmt.Errorf("%w: %w", ErrUsage, err)
 	}
-	set := routing.EndpointSet{Source: "config", Endpoints: fileCfg.Endpoints}
+	static, sources, err := discoverySources(o, &fileCfg)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
 	if !fileCfg.Router.KVEvents {
 		log.Debug("KV events off: every endpoint uses the approximate index")
-	}
-	if o.Endpoints != "" {
-		if len(fileCfg.Endpoints) > 0 {
-			return fmt.Errorf("%w: give endpoints in --endpoints or in the config file, not both", ErrUsage)
-		}
-		s, err := routing.ParseEndpointList(o.Endpoints)
-		if err != nil {
-			return fmt.Errorf("%w: --endpoints: %w", ErrUsage, err)
-		}
-		set = s
 	}
 
 	reg := prometheus.NewRegistry()
@@ -306,8 +304,30 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	if aware, ok := pol.(routing.OutcomeAware); ok && aware.NeedsOutcomes() && !o.ResponseProcessing {
 		log.Warn("response processing is off: decisions end at pick time, so in-flight counts, rewards and TTFT are not observed; the policy works blind", "policy", pol.Name())
 	}
-	if err := engine.Update(set); err != nil {
-		return err
+	bgCtx, stopBackground := context.WithCancel(context.Background())
+	var bg sync.WaitGroup
+	defer func() { stopBackground(); bg.Wait() }()
+	hub := discovery.NewHub(discovery.HubDeps{Engine: engine, Logger: log})
+	reg.MustRegister(hubCollector{hub})
+	var fleet *kvFleet
+	if fileCfg.Router.KVEvents {
+		fleet = newKVFleet(bgCtx, engine, log)
+		defer fleet.Close()
+		reg.MustRegister(fleet)
+	}
+	if static != nil {
+		// A static set is checked now: a bad one is a start-up error.
+		if err := hub.Publish(*static); err != nil {
+			return err
+		}
+		if fleet != nil {
+			if errs := fleet.Follow(*static); len(errs) > 0 {
+				return fmt.Errorf("kv_events: %w", errors.Join(errs...))
+			}
+		}
+	}
+	if fleet != nil {
+		hub.Follow(func(set routing.EndpointSet) { fleet.Follow(set) })
 	}
 
 	var tok extproc.Tokenizer
@@ -395,14 +415,13 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 				rows = append(rows, row{st.Endpoint, st.InFlight.Load(), st.Decisions.Load()})
 			}
 			w.Header().Set("content-type", "application/json")
-			json.NewEncoder(w).Encode(map[string]any{"policy": pol.Name(), "endpoints": rows, "streams": ep.Streams()})
+			st := hub.Stats()
+			json.NewEncoder(w).Encode(map[string]any{"policy": pol.Name(), "endpoints": rows, "streams": ep.Streams(),
+				"discovery": map[string]any{"source": st.Source, "desired": st.Endpoints, "pickable": st.Pickable, "lingering": st.Lingering, "degraded": st.Degraded}})
 		})
 		hsrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	}
 
-	bgCtx, stopBackground := context.WithCancel(context.Background())
-	var bg sync.WaitGroup
-	defer func() { stopBackground(); bg.Wait() }()
 	if o.ScrapeInterval > 0 {
 		sc := scrape.New(scrape.Config{Interval: o.ScrapeInterval, Timeout: o.ScrapeTimeout}, scrape.Deps{
 			Logger: log, Targets: scrape.EngineTargets(engine), Publish: scrape.EnginePublish(engine),
@@ -412,30 +431,15 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		bg.Add(1)
 		go func() { defer bg.Done(); _ = sc.Run(bgCtx) }()
 	}
-	if fileCfg.Router.KVEvents {
-		for _, ep := range set.Endpoints {
-			if ep.KVEvents == "" {
-				continue
-			}
-			key := ep.Key
-			sub, err := kvevents.Subscribe(bgCtx, kvevents.Config{Endpoint: string(key), Address: ep.KVEvents, Bind: ep.KVEventsBind, ReplayAddress: ep.KVEventsReplay}, kvevents.Deps{
-				Logger: log,
-				Apply: func(_ string, rank int, ev kvindex.Event) error {
-					return engine.ApplyKVEvent(key, rank, ev)
-				},
-				OnTrust: func(_ string, trusted bool) {
-					engine.TrustKVEvents(key, trusted)
-					log.Info("KV events", "endpoint", key, "trusted", trusted)
-				},
-			})
-			if err != nil {
-				return fmt.Errorf("endpoint %s kv_events: %w", key, err)
-			}
-			defer sub.Close()
-			reg.MustRegister(kvEventsCollector{key: string(key), s: sub})
+	errc := make(chan error, 4)
+	bg.Add(2)
+	go func() { defer bg.Done(); hub.Run(bgCtx, 0) }()
+	go func() {
+		defer bg.Done()
+		if err := discovery.RunSources(bgCtx, hub, sources...); err != nil {
+			errc <- fmt.Errorf("discovery: %w", err)
 		}
-	}
-	errc := make(chan error, 3)
+	}()
 	go func() { errc <- serveGRPC(gs, gl, "ext_proc") }()
 	go func() { errc <- serveGRPC(hgs, hl, "health") }()
 	if hsrv != nil {
@@ -445,12 +449,19 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 			}
 		}()
 	}
-	setReady(engine.Ready())
+	// Ready once discovery has published a set, and from then on through
+	// discovery outages (the last known set keeps serving).
+	var stopping atomic.Bool
+	hub.Follow(func(routing.EndpointSet) {
+		if !stopping.Load() {
+			setReady(true)
+		}
+	})
 	maddr := ""
 	if ml != nil {
 		maddr = ml.Addr().String()
 	}
-	log.Info("kvbandit serving", "version", Version(), "grpc", gl.Addr().String(), "health", hl.Addr().String(), "metrics", maddr, "policy", pol.Name(), "endpoints", len(set.Endpoints))
+	log.Info("kvbandit serving", "version", Version(), "grpc", gl.Addr().String(), "health", hl.Addr().String(), "metrics", maddr, "policy", pol.Name(), "endpoints", len(engine.Endpoints()))
 	if ls.Ready != nil {
 		ls.Ready(gl.Addr().String(), hl.Addr().String(), maddr)
 	}
@@ -467,6 +478,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	// decided streams keep echoing their responses (an early close would
 	// drop chunks Envoy has in flight) until StopGrace runs out.
 	log.Info("shutting down", "drain_timeout", o.DrainTimeout, "streams", ep.Streams())
+	stopping.Store(true)
 	setReady(false)
 	hs.Shutdown()
 	drainCtx, cancel := context.WithTimeout(context.Background(), o.DrainTimeout)
@@ -516,33 +528,4 @@ func (c scrapeCollector) Collect(ch chan<- prometheus.Metric) {
 	for reason, n := range c.s.Stats().ByReason() {
 		ch <- prometheus.MustNewConstMetric(scrapeDesc, prometheus.CounterValue, float64(n), reason)
 	}
-}
-
-// kvEventsCollector exports one endpoint's KV-event subscriber counters.
-type kvEventsCollector struct {
-	key string
-	s   *kvevents.Sub
-}
-
-var (
-	kvEventsDesc  = prometheus.NewDesc("kvbandit_kv_events_total", "KV event messages and outcomes per endpoint.", []string{"endpoint", "kind"}, nil)
-	kvTrustedDesc = prometheus.NewDesc("kvbandit_kv_events_trusted", "1 while the endpoint's KV events describe its whole cache; 0 while it is indexed approximately.", []string{"endpoint"}, nil)
-)
-
-func (kvEventsCollector) Describe(ch chan<- *prometheus.Desc) {
-	ch <- kvEventsDesc
-	ch <- kvTrustedDesc
-}
-
-func (c kvEventsCollector) Collect(ch chan<- prometheus.Metric) {
-	st := c.s.Stats()
-	for kind, n := range map[string]uint64{"messages": st.Messages, "blocks": st.Blocks, "malformed": st.Malformed, "dropped": st.Dropped,
-		"gaps": st.Gaps, "restarts": st.Restarts, "resyncs": st.Resyncs, "replays": st.Replays, "unknown_parent": st.UnknownParent} {
-		ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(n), c.key, kind)
-	}
-	trusted := 0.0
-	if st.Trusted {
-		trusted = 1
-	}
-	ch <- prometheus.MustNewConstMetric(kvTrustedDesc, prometheus.GaugeValue, trusted, c.key)
 }

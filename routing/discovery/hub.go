@@ -77,6 +77,7 @@ type Hub struct {
 	has       bool
 	lingering map[routing.EndpointKey]*routing.EndpointState
 	followers []func(routing.EndpointSet)
+	published *routing.EndpointSet
 	degraded  map[string]string
 	stats     Stats
 }
@@ -113,14 +114,15 @@ func NewHub(deps HubDeps) *Hub {
 		stats: Stats{Skipped: map[[2]string]uint64{}}}
 }
 
-// Follow registers f to be called with every desired set the hub accepts
-// (and at once with the current one, if any). Calls are serialised.
+// Follow registers f to be called with every set the engine takes (the
+// pickable part of the desired set), and at once with the current one, if
+// any. Calls are serialised; f must not call back into the hub.
 func (h *Hub) Follow(f func(routing.EndpointSet)) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.followers = append(h.followers, f)
-	if h.has {
-		f(h.desired)
+	if h.published != nil {
+		f(*h.published)
 	}
 }
 
@@ -138,21 +140,9 @@ func (h *Hub) Publish(set routing.EndpointSet) error {
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	// Endpoints leaving with decisions in flight linger in the data plane.
-	for _, st := range h.deps.Engine.Endpoints() {
-		if !containsKey(set.Endpoints, st.Key) && st.InFlight.Load() > 0 {
-			h.lingering[st.Key] = st
-		}
-	}
-	for _, ep := range set.Endpoints {
-		delete(h.lingering, ep.Key) // back in the set
-	}
 	h.desired, h.has = set, true
 	if err := h.applyLocked(); err != nil {
 		return err
-	}
-	for _, f := range h.followers {
-		f(set)
 	}
 	if h.deps.OnPublish != nil {
 		h.deps.OnPublish(set, offered)
@@ -174,22 +164,16 @@ func (h *Hub) Refresh() {
 	}
 }
 
-// applyLocked offers the desired set to the gate and publishes its
-// pickable part to the engine.
+// applyLocked publishes the pickable part of the desired set to the
+// engine, then offers the desired set plus the lingering endpoints to the
+// gate. The order matters: an endpoint leaves the engine before the data
+// plane is told to drop it, and the in-flight scan runs after the swap, so
+// no pick can land on an endpoint the data plane no longer has.
 func (h *Hub) applyLocked() error {
-	for k, st := range h.lingering {
-		if st.InFlight.Load() <= 0 {
-			delete(h.lingering, k)
-		}
-	}
+	prev := h.deps.Engine.Endpoints()
 	pick := h.desired
-	if g := h.deps.Gate; g != nil {
-		linger := make([]routing.Endpoint, 0, len(h.lingering))
-		for _, st := range h.lingering {
-			linger = append(linger, st.Endpoint)
-		}
-		slices.SortFunc(linger, func(a, b routing.Endpoint) int { return compareKeys(a.Key, b.Key) })
-		g.Offer(h.desired.Endpoints, linger)
+	g := h.deps.Gate
+	if g != nil {
 		pick.Endpoints = make([]routing.Endpoint, 0, len(h.desired.Endpoints))
 		for _, ep := range h.desired.Endpoints {
 			if g.Pickable(ep.Key) {
@@ -197,16 +181,41 @@ func (h *Hub) applyLocked() error {
 			}
 		}
 	}
-	if samePublished(h.deps.Engine.Endpoints(), pick.Endpoints) && h.stats.Published > 0 {
-		h.updateGauges(pick)
-		return nil
+	changed := !samePublished(prev, pick.Endpoints) || h.published == nil
+	if changed {
+		if err := h.deps.Engine.Update(pick); err != nil {
+			h.stats.Rejected++
+			return err
+		}
+		h.stats.Published++
+		h.published = &pick
 	}
-	if err := h.deps.Engine.Update(pick); err != nil {
-		h.stats.Rejected++
-		return err
+	// Endpoints that left with decisions in flight linger in the data
+	// plane until those decisions end.
+	for _, st := range prev {
+		if !containsKey(h.desired.Endpoints, st.Key) {
+			h.lingering[st.Key] = st
+		}
 	}
-	h.stats.Published++
+	for k, st := range h.lingering {
+		if st.InFlight.Load() <= 0 || containsKey(h.desired.Endpoints, k) {
+			delete(h.lingering, k)
+		}
+	}
+	if g != nil {
+		linger := make([]routing.Endpoint, 0, len(h.lingering))
+		for _, st := range h.lingering {
+			linger = append(linger, st.Endpoint)
+		}
+		slices.SortFunc(linger, func(a, b routing.Endpoint) int { return compareKeys(a.Key, b.Key) })
+		g.Offer(h.desired.Endpoints, linger)
+	}
 	h.updateGauges(pick)
+	if changed {
+		for _, f := range h.followers {
+			f(pick)
+		}
+	}
 	return nil
 }
 

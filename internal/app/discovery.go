@@ -1,0 +1,87 @@
+package app
+
+import (
+	"errors"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/discovery"
+)
+
+// discoverySources returns the static set (published synchronously at
+// start, so a bad one is a start-up error) or the dynamic sources the
+// flags and the config file select.
+func discoverySources(o ServeOptions, c *FileConfig) (*routing.EndpointSet, []discovery.Source, error) {
+	var (
+		static  *routing.EndpointSet
+		sources []discovery.Source
+	)
+	if len(c.Endpoints) > 0 {
+		static = &routing.EndpointSet{Source: "config", Endpoints: c.Endpoints}
+	}
+	if o.Endpoints != "" {
+		if static != nil {
+			return nil, nil, errors.New("give endpoints in --endpoints or in the config file, not both")
+		}
+		s, err := routing.ParseEndpointList(o.Endpoints)
+		if err != nil {
+			return nil, nil, err
+		}
+		static = &s
+	}
+	if o.EndpointsFile != "" {
+		sources = append(sources, discovery.File{Path: o.EndpointsFile})
+	}
+	if f := c.Discovery.File; f != nil {
+		sources = append(sources, discovery.File{Path: f.Path, Interval: secs(f.IntervalSecs)})
+	}
+	n := len(sources)
+	if static != nil {
+		n++
+	}
+	switch {
+	case n == 0:
+		return nil, nil, errors.New("no workers: give --endpoints, --endpoints-file, or a config file with endpoints or a discovery source")
+	case n > 1:
+		return nil, nil, errors.New("give one source of endpoints: --endpoints, --endpoints-file, the config's endpoints, or one discovery source")
+	}
+	return static, sources, nil
+}
+
+// hubCollector exports discovery's state.
+type hubCollector struct{ h *discovery.Hub }
+
+var (
+	discDegradedDesc  = prometheus.NewDesc("kvbandit_discovery_degraded", "1 while a discovery source serves its last known endpoint set because its backend fails (readiness is not affected).", []string{"source"}, nil)
+	discEndpointsDesc = prometheus.NewDesc("kvbandit_discovery_endpoints", "Endpoints by state: desired (discovered), pickable (given to the engine), lingering (left, decisions still in flight).", []string{"state"}, nil)
+	discSetsDesc      = prometheus.NewDesc("kvbandit_discovery_sets_total", "Endpoint sets by result: published to the engine, or rejected by validation.", []string{"result"}, nil)
+	discSkippedDesc   = prometheus.NewDesc("kvbandit_discovery_skipped_records_total", "Discovery records skipped, by source and reason (malformed, unknown_engine, invalid, duplicate).", []string{"source", "reason"}, nil)
+)
+
+func (hubCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- discDegradedDesc
+	ch <- discEndpointsDesc
+	ch <- discSetsDesc
+	ch <- discSkippedDesc
+}
+
+func (c hubCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.h.Stats()
+	for src := range st.Degraded {
+		ch <- prometheus.MustNewConstMetric(discDegradedDesc, prometheus.GaugeValue, 1, src)
+	}
+	if st.Source != "" {
+		if _, ok := st.Degraded[st.Source]; !ok {
+			ch <- prometheus.MustNewConstMetric(discDegradedDesc, prometheus.GaugeValue, 0, st.Source)
+		}
+	}
+	ch <- prometheus.MustNewConstMetric(discEndpointsDesc, prometheus.GaugeValue, float64(st.Endpoints), "desired")
+	ch <- prometheus.MustNewConstMetric(discEndpointsDesc, prometheus.GaugeValue, float64(st.Pickable), "pickable")
+	ch <- prometheus.MustNewConstMetric(discEndpointsDesc, prometheus.GaugeValue, float64(st.Lingering), "lingering")
+	ch <- prometheus.MustNewConstMetric(discSetsDesc, prometheus.CounterValue, float64(st.Published), "published")
+	ch <- prometheus.MustNewConstMetric(discSetsDesc, prometheus.CounterValue, float64(st.Rejected), "rejected")
+	for k, n := range st.Skipped {
+		ch <- prometheus.MustNewConstMetric(discSkippedDesc, prometheus.CounterValue, float64(n), k[0], k[1])
+	}
+}

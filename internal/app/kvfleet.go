@@ -1,0 +1,163 @@
+package app
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/kvevents"
+	"github.com/kvbandit/kvbandit/routing/kvindex"
+)
+
+// kvFleet keeps one KV-event subscriber per endpoint that configures
+// kv_events, following the endpoint sets discovery publishes: endpoints
+// that join are subscribed, endpoints that leave (or change their events
+// address) are closed.
+type kvFleet struct {
+	ctx    context.Context
+	engine *routing.Engine
+	log    *slog.Logger
+
+	mu      sync.Mutex
+	subs    map[routing.EndpointKey]*kvSub
+	retired kvevents.Stats // counters of closed subscribers, kept for the totals
+	failed  atomic.Uint64
+}
+
+type kvSub struct {
+	ep  routing.Endpoint
+	sub *kvevents.Sub
+}
+
+func newKVFleet(ctx context.Context, engine *routing.Engine, log *slog.Logger) *kvFleet {
+	return &kvFleet{ctx: ctx, engine: engine, log: log, subs: map[routing.EndpointKey]*kvSub{}}
+}
+
+func sameEvents(a, b *routing.Endpoint) bool {
+	return a.KVEvents == b.KVEvents && a.KVEventsBind == b.KVEventsBind && a.KVEventsReplay == b.KVEventsReplay &&
+		a.DataParallelSize == b.DataParallelSize
+}
+
+// Follow reconciles the subscribers with set; it returns the subscription
+// errors (a bad address, a port already bound), which are also logged and
+// counted.
+func (f *kvFleet) Follow(set routing.EndpointSet) []error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	want := make(map[routing.EndpointKey]*routing.Endpoint, len(set.Endpoints))
+	for i := range set.Endpoints {
+		if ep := &set.Endpoints[i]; ep.KVEvents != "" {
+			want[ep.Key] = ep
+		}
+	}
+	for k, s := range f.subs {
+		if ep, ok := want[k]; !ok || !sameEvents(ep, &s.ep) {
+			f.closeLocked(k, s)
+		}
+	}
+	var errs []error
+	for k, ep := range want {
+		if _, ok := f.subs[k]; ok {
+			continue
+		}
+		sub, err := kvevents.Subscribe(f.ctx, kvevents.Config{Endpoint: string(k), Address: ep.KVEvents, Bind: ep.KVEventsBind, ReplayAddress: ep.KVEventsReplay}, kvevents.Deps{
+			Logger: f.log,
+			Apply: func(_ string, rank int, ev kvindex.Event) error {
+				return f.engine.ApplyKVEvent(k, rank, ev)
+			},
+			OnTrust: func(_ string, trusted bool) {
+				f.engine.TrustKVEvents(k, trusted)
+				f.log.Info("KV events", "endpoint", k, "trusted", trusted)
+			},
+		})
+		if err != nil {
+			f.failed.Add(1)
+			f.log.Error("KV events: cannot subscribe; the endpoint stays on the approximate index", "endpoint", k, "address", ep.KVEvents, "err", err)
+			errs = append(errs, err)
+			continue
+		}
+		f.subs[k] = &kvSub{ep: *ep, sub: sub}
+	}
+	return errs
+}
+
+func (f *kvFleet) closeLocked(k routing.EndpointKey, s *kvSub) {
+	s.sub.Close()
+	st := s.sub.Stats()
+	r := &f.retired
+	r.Messages += st.Messages
+	r.Blocks += st.Blocks
+	r.Malformed += st.Malformed
+	r.Dropped += st.Dropped
+	r.Gaps += st.Gaps
+	r.Restarts += st.Restarts
+	r.Resyncs += st.Resyncs
+	r.Replays += st.Replays
+	r.UnknownParent += st.UnknownParent
+	delete(f.subs, k)
+}
+
+// Addr returns the bound address of an endpoint's subscriber (bind mode),
+// or nil.
+func (f *kvFleet) Addr(k routing.EndpointKey) string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if s, ok := f.subs[k]; ok && s.sub.Addr() != nil {
+		return s.sub.Addr().String()
+	}
+	return ""
+}
+
+// Close stops every subscriber.
+func (f *kvFleet) Close() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for k, s := range f.subs {
+		f.closeLocked(k, s)
+	}
+}
+
+var (
+	kvEventsDesc     = prometheus.NewDesc("kvbandit_kv_events_total", "KV event messages and outcomes per endpoint (endpoint=\"\" holds the totals of subscribers closed since start).", []string{"endpoint", "kind"}, nil)
+	kvTrustedDesc    = prometheus.NewDesc("kvbandit_kv_events_trusted", "1 while the endpoint's KV events describe its whole cache; 0 while it is indexed approximately.", []string{"endpoint"}, nil)
+	kvSubscribeDesc  = prometheus.NewDesc("kvbandit_kv_events_subscribe_errors_total", "KV-event subscriptions that failed (bad address, port in use).", nil, nil)
+	kvSubscribedDesc = prometheus.NewDesc("kvbandit_kv_events_subscribers", "Endpoints with a KV-event subscriber.", nil, nil)
+)
+
+// Describe implements prometheus.Collector.
+func (f *kvFleet) Describe(ch chan<- *prometheus.Desc) {
+	ch <- kvEventsDesc
+	ch <- kvTrustedDesc
+	ch <- kvSubscribeDesc
+	ch <- kvSubscribedDesc
+}
+
+// Collect implements prometheus.Collector.
+func (f *kvFleet) Collect(ch chan<- prometheus.Metric) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	emit := func(key string, st kvevents.Stats) {
+		for kind, n := range map[string]uint64{"messages": st.Messages, "blocks": st.Blocks, "malformed": st.Malformed, "dropped": st.Dropped,
+			"gaps": st.Gaps, "restarts": st.Restarts, "resyncs": st.Resyncs, "replays": st.Replays, "unknown_parent": st.UnknownParent} {
+			ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(n), key, kind)
+		}
+	}
+	if f.retired != (kvevents.Stats{}) {
+		emit("", f.retired)
+	}
+	for k, s := range f.subs {
+		st := s.sub.Stats()
+		emit(string(k), st)
+		trusted := 0.0
+		if st.Trusted {
+			trusted = 1
+		}
+		ch <- prometheus.MustNewConstMetric(kvTrustedDesc, prometheus.GaugeValue, trusted, string(k))
+	}
+	ch <- prometheus.MustNewConstMetric(kvSubscribeDesc, prometheus.CounterValue, float64(f.failed.Load()))
+	ch <- prometheus.MustNewConstMetric(kvSubscribedDesc, prometheus.GaugeValue, float64(len(f.subs)))
+}
