@@ -48,6 +48,9 @@ type Endpoint struct {
 	// KVEventsReplay is the worker's replay address (vLLM's
 	// replay_endpoint), used to fill sequence gaps.
 	KVEventsReplay string `json:"kv_events_replay,omitempty"`
+	// KVEventsFirstSeq is the sequence number of the worker's first KV
+	// event message: 0 for vLLM (the default), 1 for llm-d-inference-sim.
+	KVEventsFirstSeq uint64 `json:"kv_events_first_seq,omitempty"`
 	// MetricsURL is the worker's Prometheus endpoint; empty means
 	// http://<address>/metrics.
 	MetricsURL string `json:"metrics_url,omitempty"`
@@ -65,7 +68,7 @@ func (e *Endpoint) Equal(o *Endpoint) bool {
 	return e.Key == o.Key && slices.Equal(e.Models, o.Models) && slices.Equal(e.Adapters, o.Adapters) &&
 		e.Engine == o.Engine && e.BlockSize == o.BlockSize && e.MaxBatchedTokens == o.MaxBatchedTokens &&
 		e.DataParallelSize == o.DataParallelSize && e.Weight == o.Weight && maps.Equal(e.Labels, o.Labels) &&
-		e.KVEvents == o.KVEvents && e.KVEventsBind == o.KVEventsBind && e.KVEventsReplay == o.KVEventsReplay &&
+		e.KVEvents == o.KVEvents && e.KVEventsBind == o.KVEventsBind && e.KVEventsReplay == o.KVEventsReplay && e.KVEventsFirstSeq == o.KVEventsFirstSeq &&
 		e.MetricsURL == o.MetricsURL
 }
 

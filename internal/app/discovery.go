@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
+	"github.com/kvbandit/kvbandit/routing/discovery/eds"
 )
 
 // discoverySources returns the static set (published synchronously at
@@ -84,4 +85,27 @@ func (c hubCollector) Collect(ch chan<- prometheus.Metric) {
 	for k, n := range st.Skipped {
 		ch <- prometheus.MustNewConstMetric(discSkippedDesc, prometheus.CounterValue, float64(n), k[0], k[1])
 	}
+}
+
+// edsCollector exports the EDS server's state.
+type edsCollector struct{ s *eds.Server }
+
+var (
+	edsStreamsDesc = prometheus.NewDesc("kvbandit_eds_streams", "Connected xDS streams (Envoys) subscribed to the workers cluster.", nil, nil)
+	edsAcksDesc    = prometheus.NewDesc("kvbandit_eds_responses_total", "EDS responses acknowledged (ack) or rejected (nack) by Envoy.", []string{"result"}, nil)
+	edsVersionDesc = prometheus.NewDesc("kvbandit_eds_endpoints", "Endpoints in the current ClusterLoadAssignment (desired plus lingering).", nil, nil)
+)
+
+func (edsCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- edsStreamsDesc
+	ch <- edsAcksDesc
+	ch <- edsVersionDesc
+}
+
+func (c edsCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.s.Stats()
+	ch <- prometheus.MustNewConstMetric(edsStreamsDesc, prometheus.GaugeValue, float64(len(st.Streams)))
+	ch <- prometheus.MustNewConstMetric(edsAcksDesc, prometheus.CounterValue, float64(st.ACKs), "ack")
+	ch <- prometheus.MustNewConstMetric(edsAcksDesc, prometheus.CounterValue, float64(st.NACKs), "nack")
+	ch <- prometheus.MustNewConstMetric(edsVersionDesc, prometheus.GaugeValue, float64(st.Endpoints))
 }

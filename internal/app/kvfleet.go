@@ -38,7 +38,7 @@ func newKVFleet(ctx context.Context, engine *routing.Engine, log *slog.Logger) *
 }
 
 func sameEvents(a, b *routing.Endpoint) bool {
-	return a.KVEvents == b.KVEvents && a.KVEventsBind == b.KVEventsBind && a.KVEventsReplay == b.KVEventsReplay &&
+	return a.KVEvents == b.KVEvents && a.KVEventsBind == b.KVEventsBind && a.KVEventsReplay == b.KVEventsReplay && a.KVEventsFirstSeq == b.KVEventsFirstSeq &&
 		a.DataParallelSize == b.DataParallelSize
 }
 
@@ -64,7 +64,7 @@ func (f *kvFleet) Follow(set routing.EndpointSet) []error {
 		if _, ok := f.subs[k]; ok {
 			continue
 		}
-		sub, err := kvevents.Subscribe(f.ctx, kvevents.Config{Endpoint: string(k), Address: ep.KVEvents, Bind: ep.KVEventsBind, ReplayAddress: ep.KVEventsReplay}, kvevents.Deps{
+		sub, err := kvevents.Subscribe(f.ctx, kvevents.Config{Endpoint: string(k), Address: ep.KVEvents, Bind: ep.KVEventsBind, ReplayAddress: ep.KVEventsReplay, FirstSeq: ep.KVEventsFirstSeq}, kvevents.Deps{
 			Logger: f.log,
 			Apply: func(_ string, rank int, ev kvindex.Event) error {
 				return f.engine.ApplyKVEvent(k, rank, ev)

@@ -28,6 +28,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
+	"github.com/kvbandit/kvbandit/routing/discovery/eds"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/scrape"
 )
@@ -46,6 +47,7 @@ type ServeOptions struct {
 	MetricsAddr        string
 	Endpoints          string
 	EndpointsFile      string
+	EDSAddr            string
 	ConfigPath         string
 	Policy             string
 	Seed               int64
@@ -83,6 +85,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.MetricsAddr, "metrics-addr", ":9090", "Prometheus /metrics and /debug admin listen address; empty disables")
 	fs.StringVar(&o.Endpoints, "endpoints", "", "static workers \"ip:port[,ip:port...]\" (the same list as the Envoy cluster's hosts)")
 	fs.StringVar(&o.EndpointsFile, "endpoints-file", "", "YAML/JSON file of endpoint records (address, models, engine, block_size, kv_events, ...), reloaded on change")
+	fs.StringVar(&o.EDSAddr, "eds-addr", "", "serve the endpoint set to Envoy over xDS EDS on this address (envoy/eds.yaml; e.g. "+eds.DefaultAddr+"); a new endpoint is picked only after the connected Envoys acknowledged it")
 	fs.StringVar(&o.ConfigPath, "config", "", "YAML config file (endpoints with metadata, policy parameters)")
 	fs.StringVar(&o.Policy, "policy", policy.Default, "routing policy: "+strings.Join(policy.Builtin().Names(), " | "))
 	fs.Int64Var(&o.Seed, "seed", 0, "random seed for reproducible decisions (0 = random)")
@@ -261,6 +264,8 @@ func (o *ServeOptions) applyFlags(c *FileConfig) error {
 // nil fields are bound from the options' addresses.
 type Listeners struct {
 	GRPC, Health, Metrics net.Listener
+	// EDS, when set, serves xDS EDS (as --eds-addr does).
+	EDS net.Listener
 	// Ready, when set, receives the bound addresses once serving.
 	Ready func(grpc, health, metrics string)
 }
@@ -307,7 +312,27 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	bgCtx, stopBackground := context.WithCancel(context.Background())
 	var bg sync.WaitGroup
 	defer func() { stopBackground(); bg.Wait() }()
-	hub := discovery.NewHub(discovery.HubDeps{Engine: engine, Logger: log})
+	var edsSrv *eds.Server
+	var hub *discovery.Hub
+	edsCfg := fileCfg.Discovery.EDS
+	if o.EDSAddr != "" {
+		edsCfg = &EDSConfig{Addr: o.EDSAddr}
+		if fileCfg.Discovery.EDS != nil {
+			edsCfg.Cluster = fileCfg.Discovery.EDS.Cluster
+		}
+	}
+	if edsCfg != nil || ls.EDS != nil {
+		if edsCfg == nil {
+			edsCfg = &EDSConfig{}
+		}
+		edsSrv = eds.New(eds.Config{Cluster: edsCfg.Cluster}, eds.Deps{Logger: log, OnChange: func() { hub.Refresh() }})
+		reg.MustRegister(edsCollector{edsSrv})
+	}
+	hubDeps := discovery.HubDeps{Engine: engine, Logger: log}
+	if edsSrv != nil {
+		hubDeps.Gate = edsSrv
+	}
+	hub = discovery.NewHub(hubDeps)
 	reg.MustRegister(hubCollector{hub})
 	var fleet *kvFleet
 	if fileCfg.Router.KVEvents {
@@ -431,6 +456,27 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		bg.Add(1)
 		go func() { defer bg.Done(); _ = sc.Run(bgCtx) }()
 	}
+	var xgs *grpc.Server
+	if edsSrv != nil {
+		xl, err := listen(ls.EDS, edsCfg.Addr)
+		if err != nil {
+			gl.Close()
+			hl.Close()
+			if ml != nil {
+				ml.Close()
+			}
+			return fmt.Errorf("--eds-addr: %w", err)
+		}
+		xgs = grpc.NewServer(grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}))
+		edsSrv.Register(xgs)
+		reflection.Register(xgs)
+		go func() {
+			if err := serveGRPC(xgs, xl, "eds"); err != nil {
+				log.Error("EDS server stopped", "err", err)
+			}
+		}()
+		log.Info("EDS serving", "addr", xl.Addr().String())
+	}
 	errc := make(chan error, 4)
 	bg.Add(2)
 	go func() { defer bg.Done(); hub.Run(bgCtx, 0) }()
@@ -502,6 +548,11 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		<-stopped
 	}
 	hgs.Stop()
+	if xgs != nil {
+		// xDS streams last as long as Envoy runs: end them, then stop.
+		edsSrv.Close()
+		xgs.Stop()
+	}
 	if hsrv != nil {
 		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		hsrv.Shutdown(sctx)

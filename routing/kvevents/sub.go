@@ -29,6 +29,11 @@ type Config struct {
 	// ReplayAddress is vLLM's replay_endpoint (a ROUTER socket), e.g.
 	// "tcp://127.0.0.1:5558"; empty disables replay.
 	ReplayAddress string
+	// FirstSeq is the sequence number of the worker's first message: 0 for
+	// vLLM (its publisher counts from itertools.count()), 1 for
+	// llm-d-inference-sim. A first message with this number means the
+	// subscriber saw the worker's cache from the start.
+	FirstSeq uint64
 	// QueueSize bounds the messages waiting between the socket reader and
 	// Apply; 0 means 1024. A full queue drops messages (counted).
 	QueueSize int
@@ -268,11 +273,11 @@ func (s *Sub) handle(frames [][]byte) {
 	switch {
 	case !s.started:
 		s.started = true
-		if seq == 0 {
+		if seq == s.cfg.FirstSeq {
 			s.setTrust(true)
 		} else {
 			s.log.Info("kv events: subscribed after the worker started", "seq", seq)
-			s.resync(0, seq)
+			s.resync(s.cfg.FirstSeq, seq)
 		}
 	case seq == s.last:
 		s.c.duplicates.Add(1)
@@ -281,11 +286,11 @@ func (s *Sub) handle(frames [][]byte) {
 		s.c.restarts.Add(1)
 		s.log.Info("kv events: worker restarted", "seq", seq, "last", s.last)
 		s.clearAll()
-		if seq == 0 {
+		if seq == s.cfg.FirstSeq {
 			s.resyncNotify()
 			s.setTrust(true)
 		} else {
-			s.resync(0, seq)
+			s.resync(s.cfg.FirstSeq, seq)
 		}
 	case seq > s.last+1:
 		s.c.gaps.Add(1)
