@@ -29,34 +29,85 @@ import (
 	"github.com/kvbandit/kvbandit/e2e/worker"
 )
 
-// kvbanditBin is the race-enabled binary TestMain builds.
-var kvbanditBin string
+// Binaries TestMain builds (outside the network namespace, where the
+// module proxy is reachable) and passes to the suite through the
+// environment.
+var (
+	kvbanditBin string // the race-enabled kvbandit
+	etcdBin     string // etcd v3.7.3 (tools/etcd)
+	simBin      string // llm-d-inference-sim v0.10.2 (tools/llm-d-inference-sim)
+)
 
+const (
+	envInNetns  = "KVBANDIT_E2E_NETNS"
+	envKvbandit = "KVBANDIT_E2E_BIN"
+	envEtcd     = "KVBANDIT_E2E_ETCD"
+	envSim      = "KVBANDIT_E2E_SIM"
+)
+
+// TestMain builds kvbandit and the third-party tools, then re-executes the
+// test binary inside a private network namespace with only loopback up
+// (unshare -n): the sims bind every interface and must not reach out, and
+// nothing the suite starts can. It fails, never skips, when it cannot.
 func TestMain(m *testing.M) {
+	if os.Getenv(envInNetns) == "" {
+		os.Exit(outside())
+	}
+	kvbanditBin, etcdBin, simBin = os.Getenv(envKvbandit), os.Getenv(envEtcd), os.Getenv(envSim)
+	goleak.VerifyTestMain(m)
+}
+
+// outside builds the binaries and runs the suite in a new network
+// namespace; it returns the exit code.
+func outside() int {
 	dir, err := os.MkdirTemp("", "kvbandit-e2e-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "e2e:", err)
-		os.Exit(1)
+		return 1
 	}
-	if err := build(dir); err != nil {
+	defer os.RemoveAll(dir)
+	root, err := repoRoot()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		return 1
+	}
+	bin := filepath.Join(dir, "kvbandit")
+	if err := build(root, bin); err != nil {
 		fmt.Fprintln(os.Stderr, "e2e: building kvbandit:", err)
-		os.RemoveAll(dir)
-		os.Exit(1)
+		return 1
 	}
-	goleak.VerifyTestMain(m, goleak.Cleanup(func(code int) {
-		os.RemoveAll(dir)
-		os.Exit(code)
-	}))
+	tools := exec.Command("bash", filepath.Join(root, "tools", "build.sh"), "etcd", "llm-d-inference-sim")
+	tools.Stderr = os.Stderr
+	out, err := tools.Output()
+	paths := strings.Fields(string(out))
+	if err != nil || len(paths) != 2 {
+		fmt.Fprintln(os.Stderr, "e2e: building the tools (tools/build.sh):", err)
+		return 1
+	}
+	cmd := exec.Command("unshare", append([]string{"--net", "--", "sh", "-c", `ip link set lo up && exec "$0" "$@"`, os.Args[0]}, os.Args[1:]...)...)
+	cmd.Env = append(os.Environ(), envInNetns+"=1", envKvbandit+"="+bin, envEtcd+"="+paths[0], envSim+"="+paths[1])
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	if err := cmd.Run(); err != nil {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) && ee.ExitCode() > 0 {
+			return ee.ExitCode()
+		}
+		fmt.Fprintln(os.Stderr, "e2e: cannot run the suite in a private network namespace (unshare --net needs root or user namespaces, and ip from iproute2):", err)
+		return 1
+	}
+	return 0
 }
 
-func build(dir string) error {
+func repoRoot() (string, error) {
 	out, err := exec.Command("go", "env", "GOMOD").Output()
 	if err != nil {
-		return fmt.Errorf("go env GOMOD: %w", err)
+		return "", fmt.Errorf("go env GOMOD: %w", err)
 	}
-	root := filepath.Dir(strings.TrimSpace(string(out)))
-	kvbanditBin = filepath.Join(dir, "kvbandit")
-	cmd := exec.Command("go", "build", "-race", "-o", kvbanditBin, "./cmd/kvbandit")
+	return filepath.Dir(strings.TrimSpace(string(out))), nil
+}
+
+func build(root, bin string) error {
+	cmd := exec.Command("go", "build", "-race", "-o", bin, "./cmd/kvbandit")
 	cmd.Dir = root
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	return cmd.Run()

@@ -645,7 +645,10 @@ func (b *Batch) add(ev *rawEvent) error {
 	out := kvindex.Event{
 		Kind:      kvindex.Stored,
 		BlockSize: bs,
-		HasParent: ev.hasParent,
+		// A parent of 0 means none: llm-d-inference-sim (and llm-d's
+		// adapters) send 0 for a first block in the array encoding, where
+		// vLLM sends nil; a real hash of 0 has probability 2^-64.
+		HasParent: ev.hasParent && ev.parent != 0,
 		Parent:    ev.parent,
 		LoRA:      ev.loraName,
 		Blocks:    make([]kvindex.StoredBlock, len(ev.hashes)),

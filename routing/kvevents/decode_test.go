@@ -222,3 +222,18 @@ func TestDecodeDeepNestingInIgnoredField(t *testing.T) {
 		t.Fatalf("Decode = %+v, %v", b, err)
 	}
 }
+
+// llm-d-inference-sim's array encoding sends parent 0 for a first block
+// (vLLM sends nil): 0 means no parent, any other value is one.
+func TestDecodeZeroParentIsNoParent(t *testing.T) {
+	t.Parallel()
+	tk := toks(4, 0)
+	batch := []any{1.0, []any{storedArray([]any{7}, 0, tk, 4), storedArray([]any{8}, 7, tk, 4)}}
+	b, err := Decode(frames(t, 1, batch))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(b.Events) != 2 || b.Events[0].HasParent || !b.Events[1].HasParent || b.Events[1].Parent != 7 {
+		t.Fatalf("got %+v", b.Events)
+	}
+}

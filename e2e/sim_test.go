@@ -1,0 +1,240 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvbandit/kvbandit/e2e/envoysim"
+)
+
+// simModel is the model the llm-d-inference-sim workers serve.
+const simModel = "fake/tiny-model"
+
+// sim is one llm-d-inference-sim process.
+type sim struct {
+	addr   string // 127.0.0.1:port (it binds every interface of the namespace)
+	zmq    string // the kvbandit SUB socket it dials
+	cmd    *exec.Cmd
+	out    *syncBuffer
+	exited chan struct{}
+}
+
+// startSim runs an llm-d-inference-sim on addr whose KV events go to zmq,
+// and waits for its /health. The sim binds every interface: the suite runs
+// in a private network namespace (TestMain).
+func startSim(t *testing.T, addr, zmq string, extra ...string) *sim {
+	t.Helper()
+	_, port, _ := net.SplitHostPort(addr)
+	args := append([]string{"--model", simModel, "--force-dummy-tokenizer", "--port", port, "--mode", "echo",
+		"--time-to-first-token", "10ms", "--inter-token-latency", "2ms", "--max-num-seqs", "8",
+		"--enable-kvcache", "--kv-cache-size", "1024", "--block-size", "16", "--event-batch-size", "1",
+		"--zmq-endpoint", zmq}, extra...)
+	s := &sim{addr: addr, zmq: zmq, out: &syncBuffer{}, exited: make(chan struct{})}
+	s.cmd = exec.Command(simBin, args...)
+	s.cmd.Env = append(os.Environ(), "POD_IP=127.0.0.1")
+	s.cmd.Stdout, s.cmd.Stderr = s.out, s.out
+	if err := s.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = s.cmd.Wait(); close(s.exited) }()
+	t.Cleanup(func() {
+		_ = s.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-s.exited:
+		case <-time.After(5 * time.Second):
+			_ = s.cmd.Process.Kill()
+			<-s.exited
+		}
+		if t.Failed() {
+			t.Logf("sim %s output:\n%s", addr, s.out)
+		}
+	})
+	c := &http.Client{Timeout: time.Second}
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	if err := poll(ctx, func() (bool, string) {
+		resp, err := c.Get("http://" + addr + "/health")
+		if err != nil {
+			return false, err.Error()
+		}
+		resp.Body.Close()
+		return resp.StatusCode == 200, resp.Status
+	}); err != nil {
+		t.Fatalf("sim %s not healthy: %v\n%s", addr, err, s.out)
+	}
+	return s
+}
+
+// tokenPrompt is a /v1/completions body whose prompt is token ids: the
+// sims take pre-tokenized prompts verbatim (their dummy tokenizer would hash
+// words into ids kvbandit cannot know), and kvbandit hashes the same ids, so
+// both sides see the same blocks.
+func tokenPrompt(ids []uint32) []byte {
+	b, _ := json.Marshal(map[string]any{"model": simModel, "prompt": ids, "max_tokens": 2, "stream": false})
+	return b
+}
+
+func ids(seed uint32, n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = seed*100000 + uint32(i) + 1
+	}
+	return out
+}
+
+// writeEndpoints writes an endpoints file (discovery.File) atomically.
+func writeEndpoints(t *testing.T, path string, recs []map[string]any) {
+	t.Helper()
+	b, err := json.Marshal(map[string]any{"endpoints": recs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func simRecord(s *sim) map[string]any {
+	return map[string]any{"address": s.addr, "engine": "vllm", "models": []string{simModel}, "block_size": 16,
+		"kv_events": s.zmq, "kv_events_bind": true, "kv_events_first_seq": 1}
+}
+
+// TestSimWorkersEventsSteerRouting runs two llm-d-inference-sim workers
+// behind kvbandit (kv policy, endpoints from a file): requests reach them,
+// their /metrics are scraped, their KV events make the index event-fed, and
+// a request sharing a prefix that was sent to one sim directly (so only its
+// KV events can tell kvbandit where those blocks are) is routed there.
+func TestSimWorkersEventsSteerRouting(t *testing.T) {
+	var sims []*sim
+	var recs []map[string]any
+	for range 2 {
+		s := &sim{addr: freeAddr(t), zmq: "tcp://" + freeAddr(t)}
+		sims = append(sims, s)
+		recs = append(recs, simRecord(s))
+	}
+	path := filepath.Join(t.TempDir(), "endpoints.json")
+	writeEndpoints(t, path, recs)
+	k := startKvbandit(t, nil, "--endpoints-file", path, "--policy", "kv", "--scrape-interval", "200ms")
+	k.endpoints = []string{sims[0].addr, sims[1].addr}
+	// kvbandit binds the SUB sockets; the sims dial them.
+	for i, s := range sims {
+		sims[i] = startSim(t, s.addr, s.zmq)
+	}
+	px := startProxy(t, k, envoysim.Config{})
+	c := httpClient(t)
+
+	// Through kvbandit: both sims answer.
+	served := map[string]int{}
+	for i := range 4 {
+		r := send(t, c, "POST", px.URL()+"/v1/completions", tokenPrompt(ids(uint32(100+i), 40)), nil)
+		if r.status != 200 {
+			t.Fatalf("request %d: %d %s", i, r.status, r.body)
+		}
+	}
+	xs, err := px.WaitExchanges(t.Context(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, x := range xs {
+		if x.Fallback || x.Upstream != x.Destination {
+			t.Fatalf("exchange %d: destination %q upstream %q fallback %v", x.ID, x.Destination, x.Upstream, x.Fallback)
+		}
+		served[x.Upstream]++
+	}
+	if len(served) != 2 {
+		t.Fatalf("requests went to %v, want both sims", served)
+	}
+
+	// The sims' events arrive and are trusted (first sequence 1); their
+	// metrics are scraped.
+	for _, s := range sims {
+		k.waitMetric(t, "kvbandit_kv_events_trusted", map[string]string{"endpoint": s.addr}, 1)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	if err := poll(ctx, func() (bool, string) {
+		ss, err := k.scrape(ctx)
+		if err != nil {
+			return false, err.Error()
+		}
+		ok := metric(ss, "kvbandit_scrapes_total", map[string]string{"result": "ok"})
+		var blocks []float64
+		for _, s := range sims {
+			blocks = append(blocks, metric(ss, "kvbandit_kv_events_total", map[string]string{"endpoint": s.addr, "kind": "blocks"}))
+		}
+		return ok >= 2 && blocks[0] > 0 && blocks[1] > 0, fmt.Sprintf("scrapes ok %v, event blocks %v", ok, blocks)
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	// Warm a long prefix on each sim directly, bypassing kvbandit.
+	prefixes := [][]uint32{ids(7, 96), ids(8, 96)} // 6 blocks of 16 each
+	for i, s := range sims {
+		r := send(t, c, "POST", "http://"+s.addr+"/v1/completions", tokenPrompt(prefixes[i]), nil)
+		if r.status != 200 {
+			t.Fatalf("direct request to sim %d: %d %s", i, r.status, r.body)
+		}
+	}
+	// Wait for their events: the index must hold them as event entries.
+	if err := poll(ctx, func() (bool, string) {
+		ss, err := k.scrape(ctx)
+		if err != nil {
+			return false, err.Error()
+		}
+		var blocks []float64
+		for _, s := range sims {
+			blocks = append(blocks, metric(ss, "kvbandit_kv_events_total", map[string]string{"endpoint": s.addr, "kind": "blocks"}))
+		}
+		// 4 requests of 40 tokens (2 blocks each) + 6 blocks per prefix.
+		entries := metric(ss, "kvbandit_index_entries", map[string]string{"mode": "event"})
+		return blocks[0]+blocks[1] >= 4*2+12 && entries >= 4*2+12, fmt.Sprintf("event blocks %v, event entries %v", blocks, entries)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// Follow-ups sharing each prefix land on the sim that holds it, several
+	// times each (the kv policy would otherwise spread them by load).
+	n := len(px.Exchanges())
+	for round := range 3 {
+		for i := range sims {
+			p := append(append([]uint32(nil), prefixes[i]...), ids(uint32(900+10*round+i), 20)...)
+			r := send(t, c, "POST", px.URL()+"/v1/completions", tokenPrompt(p), nil)
+			if r.status != 200 {
+				t.Fatalf("follow-up: %d %s", r.status, r.body)
+			}
+			n++
+			xs, err := px.WaitExchanges(t.Context(), n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := xs[n-1].Upstream; got != sims[i].addr {
+				if resp, err := http.Get("http://" + k.metricsAddr + "/metrics"); err == nil {
+					var b strings.Builder
+					io.Copy(&b, resp.Body)
+					resp.Body.Close()
+					for _, l := range strings.Split(b.String(), "\n") {
+						if strings.Contains(l, "kv_events") || strings.Contains(l, "index") {
+							t.Log(l)
+						}
+					}
+				}
+				t.Fatalf("round %d: prefix cached on sim %d (%s) by events, request went to %s\n%s", round, i, sims[i].addr, got, k.out)
+			}
+		}
+	}
+	t.Logf("requests through kvbandit per sim before the follow-ups: %v", served)
+}
