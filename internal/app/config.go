@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/admission"
+	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
@@ -53,6 +54,8 @@ type FileConfig struct {
 type DiscoveryConfig struct {
 	// File is a YAML/JSON file of endpoint records, reloaded on change.
 	File *FileDiscoveryConfig `json:"file,omitempty"`
+	// Etcd watches endpoint records under <prefix>/<pool>/endpoints/.
+	Etcd *etcd.Config `json:"etcd,omitempty"`
 	// EDS serves the endpoint set to Envoy as its workers cluster.
 	EDS *EDSConfig `json:"eds,omitempty"`
 }
@@ -215,6 +218,13 @@ func (d *DiscoveryConfig) validate(static bool) error {
 		}
 		if d.File.IntervalSecs < 0 {
 			return fmt.Errorf("discovery.file.interval_secs: must be >= 0")
+		}
+	}
+	if d.Etcd != nil {
+		sources++
+		d.Etcd.Defaults()
+		if err := d.Etcd.Validate(); err != nil {
+			return fmt.Errorf("discovery.etcd: %w", err)
 		}
 	}
 	if sources > 1 {

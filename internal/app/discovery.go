@@ -2,18 +2,21 @@ package app
 
 import (
 	"errors"
+	"log/slog"
+	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/eds"
+	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
 )
 
 // discoverySources returns the static set (published synchronously at
 // start, so a bad one is a start-up error) or the dynamic sources the
 // flags and the config file select.
-func discoverySources(o ServeOptions, c *FileConfig) (*routing.EndpointSet, []discovery.Source, error) {
+func discoverySources(o ServeOptions, c *FileConfig, log *slog.Logger) (*routing.EndpointSet, []discovery.Source, error) {
 	var (
 		static  *routing.EndpointSet
 		sources []discovery.Source
@@ -37,6 +40,27 @@ func discoverySources(o ServeOptions, c *FileConfig) (*routing.EndpointSet, []di
 	if f := c.Discovery.File; f != nil {
 		sources = append(sources, discovery.File{Path: f.Path, Interval: secs(f.IntervalSecs)})
 	}
+	ec := c.Discovery.Etcd
+	if o.EtcdEndpoints != "" {
+		if ec == nil {
+			ec = &etcd.Config{}
+		}
+		ec.Endpoints = splitList(o.EtcdEndpoints)
+	}
+	if ec != nil {
+		if _, ok := o.set["etcd-pool"]; ok || ec.Pool == "" {
+			ec.Pool = o.EtcdPool
+		}
+		if _, ok := o.set["etcd-prefix"]; ok || ec.Prefix == "" {
+			ec.Prefix = o.EtcdPrefix
+		}
+		ec.Defaults()
+		src, err := etcd.New(*ec, etcd.Deps{Logger: log})
+		if err != nil {
+			return nil, nil, err
+		}
+		sources = append(sources, src)
+	}
 	n := len(sources)
 	if static != nil {
 		n++
@@ -48,6 +72,16 @@ func discoverySources(o ServeOptions, c *FileConfig) (*routing.EndpointSet, []di
 		return nil, nil, errors.New("give one source of endpoints: --endpoints, --endpoints-file, the config's endpoints, or one discovery source")
 	}
 	return static, sources, nil
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
 }
 
 // hubCollector exports discovery's state.

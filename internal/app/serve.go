@@ -29,6 +29,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/eds"
+	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/scrape"
 )
@@ -48,6 +49,9 @@ type ServeOptions struct {
 	Endpoints          string
 	EndpointsFile      string
 	EDSAddr            string
+	EtcdEndpoints      string
+	EtcdPool           string
+	EtcdPrefix         string
 	ConfigPath         string
 	Policy             string
 	Seed               int64
@@ -86,6 +90,9 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Endpoints, "endpoints", "", "static workers \"ip:port[,ip:port...]\" (the same list as the Envoy cluster's hosts)")
 	fs.StringVar(&o.EndpointsFile, "endpoints-file", "", "YAML/JSON file of endpoint records (address, models, engine, block_size, kv_events, ...), reloaded on change")
 	fs.StringVar(&o.EDSAddr, "eds-addr", "", "serve the endpoint set to Envoy over xDS EDS on this address (envoy/eds.yaml; e.g. "+eds.DefaultAddr+"); a new endpoint is picked only after the connected Envoys acknowledged it")
+	fs.StringVar(&o.EtcdEndpoints, "etcd-endpoints", "", "discover workers from etcd (comma list of host:port); records under <prefix>/<pool>/endpoints/<id>, written by `kvbandit register` (TLS and auth: the config's discovery.etcd)")
+	fs.StringVar(&o.EtcdPool, "etcd-pool", etcd.DefaultPool, "etcd discovery: pool name")
+	fs.StringVar(&o.EtcdPrefix, "etcd-prefix", etcd.DefaultPrefix, "etcd discovery: key prefix")
 	fs.StringVar(&o.ConfigPath, "config", "", "YAML config file (endpoints with metadata, policy parameters)")
 	fs.StringVar(&o.Policy, "policy", policy.Default, "routing policy: "+strings.Join(policy.Builtin().Names(), " | "))
 	fs.Int64Var(&o.Seed, "seed", 0, "random seed for reproducible decisions (0 = random)")
@@ -145,8 +152,8 @@ func (o *ServeOptions) Validate() error {
 	if o.StopGrace < 0 {
 		errs = append(errs, errors.New("--stop-grace must be >= 0"))
 	}
-	if o.Endpoints == "" && o.ConfigPath == "" && o.EndpointsFile == "" {
-		errs = append(errs, errors.New("no workers: give --endpoints, --endpoints-file or --config with endpoints or a discovery source"))
+	if o.Endpoints == "" && o.ConfigPath == "" && o.EndpointsFile == "" && o.EtcdEndpoints == "" {
+		errs = append(errs, errors.New("no workers: give --endpoints, --endpoints-file, --etcd-endpoints or --config with endpoints or a discovery source"))
 	}
 	if o.Endpoints != "" && o.EndpointsFile != "" {
 		errs = append(errs, errors.New("give --endpoints or --endpoints-file, not both"))
@@ -289,7 +296,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	if err := o.applyFlags(&fileCfg); err != nil {
 		return fmt.Errorf("%w: %w", ErrUsage, err)
 	}
-	static, sources, err := discoverySources(o, &fileCfg)
+	static, sources, err := discoverySources(o, &fileCfg, log)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrUsage, err)
 	}
