@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"sync"
@@ -20,6 +21,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/kvbandit/kvbandit/e2e/envoysim"
+	"github.com/kvbandit/kvbandit/e2e/worker"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/eds"
@@ -329,4 +332,63 @@ func TestEDSNoPickOutsideEnvoysCluster(t *testing.T) {
 	if picks.Load() == 0 || bad.Load() != 0 {
 		t.Errorf("%d picks, %d outside Envoy's cluster", picks.Load(), bad.Load())
 	}
+}
+
+// TestEDSThroughServe runs `kvbandit serve --endpoints-file --eds-addr`
+// with an Envoy-like EDS client: the client's cluster follows the file,
+// and a worker added to the file is picked only after the client has
+// acknowledged an assignment that contains it.
+func TestEDSThroughServe(t *testing.T) {
+	_, addrs := startWorkers(t, 3, worker.Config{})
+	path := filepath.Join(t.TempDir(), "endpoints.yaml")
+	recs := func(as ...string) []map[string]any {
+		var out []map[string]any
+		for _, a := range as {
+			out = append(out, map[string]any{"address": a})
+		}
+		return out
+	}
+	writeEndpoints(t, path, recs(addrs[:2]...))
+	xdsAddr := freeAddr(t)
+	k := startKvbandit(t, nil, "--endpoints-file", path, "--eds-addr", xdsAddr, "--scrape-interval", "0")
+	k.endpoints = addrs
+	conn, err := grpc.NewClient(xdsAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	envoy := followEDS(t, conn, "envoy-0")
+	waitFor(t, "the first assignment", func() bool { return slices.Equal(envoy.hostList(), sortedCopy(addrs[:2])) })
+	k.waitMetric(t, "kvbandit_eds_responses_total", map[string]string{"result": "ack"}, 1)
+
+	// Envoy takes its time with the next version: the new worker is
+	// discovered but not pickable until it is acknowledged.
+	envoy.paused.Store(true)
+	n := envoy.received.Load()
+	writeEndpoints(t, path, recs(addrs...))
+	waitFor(t, "the new assignment to be sent", func() bool { return envoy.received.Load() > n })
+	px := startProxy(t, k, envoysim.Config{})
+	c := httpClient(t)
+	got := sendAll(t, c, px, 6)
+	if got[addrs[2]] != 0 {
+		t.Fatalf("worker %s picked before Envoy acknowledged it: %v", addrs[2], got)
+	}
+	if eps, disc, err := k.debugEndpoints(t.Context()); err != nil || len(eps) != 2 || disc["desired"] != 3.0 {
+		t.Fatalf("debug endpoints %v discovery %v err %v", eps, disc, err)
+	}
+	envoy.paused.Store(false)
+	k.waitEndpoints(t, addrs, 10*time.Second)
+	if got := sendAll(t, c, px, 6); got[addrs[2]] != 2 {
+		t.Fatalf("after the ack: %v", got)
+	}
+	// Removal: the worker leaves the assignment (no decisions in flight).
+	writeEndpoints(t, path, recs(addrs[1:]...))
+	waitFor(t, "the removal", func() bool { return slices.Equal(envoy.hostList(), sortedCopy(addrs[1:])) })
+	k.waitEndpoints(t, addrs[1:], 10*time.Second)
+}
+
+func sortedCopy(s []string) []string {
+	s = slices.Clone(s)
+	slices.Sort(s)
+	return s
 }
