@@ -1,8 +1,13 @@
 package kvevents
 
 import (
+	"context"
 	"encoding/binary"
+	"sync/atomic"
 	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
 
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 )
@@ -95,4 +100,69 @@ func BenchmarkDecodeApply(b *testing.B) {
 			b.ReportMetric(float64(blocks)/b.Elapsed().Seconds(), "blocks/s")
 		})
 	}
+}
+
+// BenchmarkSubscribeApply is the whole ingestion path: recorded vLLM
+// messages published by a real ZMQ PUB on loopback, received by a
+// Subscribe'd SUB, decoded and applied to a real kvindex.Index. The goal
+// is ≥ 500k blocks/s; drops (the bounded queue overflowing) are reported.
+//
+//	go test -run '^$' -bench SubscribeApply -benchmem ./routing/kvevents
+func BenchmarkSubscribeApply(b *testing.B) {
+	msgs := benchFrames(b, false, false)
+	ix, err := kvindex.New(kvindex.Options{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ix.Close()
+	w := ix.Worker("10.0.0.1:8000", 0)
+	pub := zmq4.NewPub(context.Background())
+	defer pub.Close()
+	if err := pub.Listen("tcp://127.0.0.1:0"); err != nil {
+		b.Fatal(err)
+	}
+	var blocks atomic.Int64
+	s, err := Subscribe(context.Background(), Config{Endpoint: "w", Address: "tcp://" + pub.Addr().String(), QueueSize: 1 << 16},
+		Deps{Apply: func(_ string, _ int, ev kvindex.Event) error {
+			blocks.Add(int64(len(ev.Blocks)))
+			return ix.Apply(w, ev)
+		}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer s.Close()
+	// Join: PUB drops what it sends before the subscription arrives.
+	deadline := time.Now().Add(5 * time.Second)
+	for s.Stats().Messages == 0 {
+		if time.Now().After(deadline) {
+			b.Fatal("subscriber never joined")
+		}
+		_ = pub.Send(zmq4.NewMsgFrom(msgs[0]...))
+		time.Sleep(5 * time.Millisecond)
+	}
+	base := s.Stats()
+	start := blocks.Load()
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := range b.N {
+		m := msgs[i%len(msgs)]
+		f := [][]byte{m[0], binary.BigEndian.AppendUint64(nil, base.Messages+base.Duplicates+uint64(i)), m[2]}
+		if err := pub.Send(zmq4.NewMsgFrom(f...)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	for {
+		st := s.Stats()
+		if st.Messages+st.Dropped-base.Messages-base.Dropped >= uint64(b.N) {
+			break
+		}
+		if time.Since(deadline) > 60*time.Second {
+			b.Fatalf("only %d of %d messages arrived", st.Messages-base.Messages, b.N)
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	b.StopTimer()
+	st := s.Stats()
+	b.ReportMetric(float64(blocks.Load()-start)/b.Elapsed().Seconds(), "blocks/s")
+	b.ReportMetric(float64(st.Dropped-base.Dropped), "dropped")
 }
