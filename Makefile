@@ -38,11 +38,15 @@ fixtures: ## fetch tokenizer fixtures and the Hugging Face oracle into $(FIXTURE
 	bash tokenizer/chat/testdata/fixtures.sh "$(FIXTURES)"
 
 .PHONY: unit
-unit: fixtures ## unit tests, golden exchanges and fuzz seed corpora, with -race
+unit: fixtures tools ## unit tests, golden exchanges and fuzz seed corpora, with -race
 	$(GO) test -race -count=1 -timeout 10m $(UNIT)
 
+.PHONY: tools
+tools: ## build etcd and llm-d-inference-sim from their tools modules (cached by content in ~/.cache/kvbandit/tools)
+	bash tools/build.sh etcd llm-d-inference-sim
+
 .PHONY: e2e
-e2e: ## end-to-end suites: the real binary, real gRPC, real HTTP workers, the Envoy-faithful client
+e2e: tools ## end-to-end suites: the real binary, real gRPC, real etcd, HTTP and llm-d-inference-sim workers, the Envoy-faithful client (in a private network namespace)
 	$(GO) test -race -count=1 -timeout 15m ./e2e/...
 
 .PHONY: bench-smoke
@@ -55,7 +59,7 @@ bench: fixtures ## benchmarks for benchstat: make bench > new.txt; benchstat old
 
 .PHONY: fuzz
 fuzz: ## run each fuzz target for FUZZTIME (default 30s)
-	@for pkg in ./extproc ./extproc/openai ./extproc/hints ./routing/kvindex ./tokenizer ./tokenizer/chat; do \
+	@for pkg in ./extproc ./extproc/openai ./extproc/hints ./routing/kvindex ./routing/kvevents ./routing/discovery ./tokenizer ./tokenizer/chat; do \
 	  for f in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
 	    echo "== $$pkg $$f"; $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $${FUZZTIME:-30s} $$pkg || exit 1; \
 	  done; \
