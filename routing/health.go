@@ -144,9 +144,9 @@ func (l *Live) Health(now time.Time) Health {
 	return h
 }
 
-// Adapters returns the LoRA adapters the endpoint's worker reported
+// ScrapedAdapters returns the LoRA adapters the endpoint's worker reported
 // within Options.AdapterRetention (sorted; callers must not modify it).
-func (l *Live) Adapters() []ModelName {
+func (l *Live) ScrapedAdapters() []ModelName {
 	if p := l.adapters.names.Load(); p != nil {
 		return *p
 	}
