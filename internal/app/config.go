@@ -44,9 +44,30 @@ type FileConfig struct {
 	Models map[string]ModelConfig `json:"models,omitempty"`
 	// Tokenizer tunes tokenization.
 	Tokenizer TokenizerConfig `json:"tokenizer"`
+	// Health tunes endpoint ejection (passive: failed outcomes; active:
+	// failed scrapes).
+	Health HealthConfig `json:"health"`
 	// Discovery selects a dynamic source of endpoints (instead of the
 	// static endpoints list) and the EDS server.
 	Discovery DiscoveryConfig `json:"discovery"`
+}
+
+// HealthConfig tunes endpoint ejection.
+type HealthConfig struct {
+	// ConsecutiveErrors upstream failures (5xx, 408, connect failure) in a
+	// row eject an endpoint for BaseEjectionSecs, doubling per repeat up to
+	// MaxEjectionSecs; < 0 turns passive ejection off.
+	ConsecutiveErrors int     `json:"consecutive_errors"`
+	BaseEjectionSecs  float64 `json:"base_ejection_secs"`
+	MaxEjectionSecs   float64 `json:"max_ejection_secs"`
+	// ScrapeFailures failed /metrics scrapes in a row eject an endpoint
+	// until a scrape succeeds; < 0 turns active ejection off.
+	ScrapeFailures int `json:"scrape_failures"`
+	// Disabled turns ejection off entirely.
+	Disabled bool `json:"disabled"`
+	// AdapterRetentionSecs keeps a LoRA adapter a worker reported (in
+	// vllm:lora_requests_info) routable this long after its last report.
+	AdapterRetentionSecs float64 `json:"adapter_retention_secs"`
 }
 
 // DiscoveryConfig selects where the endpoints come from. At most one of
@@ -129,6 +150,9 @@ func DefaultFileConfig() FileConfig {
 		PrefixState: PrefixStateConfig{TTLSecs: prefixstate.DefaultTTL.Seconds(), MaxEntries: prefixstate.DefaultMaxEntries},
 		DecisionLog: DecisionLogConfig{Format: "csv"},
 		Tokenizer:   TokenizerConfig{CacheBytes: 64 << 20, TimeoutSecs: 5},
+		Health: HealthConfig{ConsecutiveErrors: routing.DefaultConsecutiveErrors, BaseEjectionSecs: routing.DefaultBaseEjection.Seconds(),
+			MaxEjectionSecs: routing.DefaultMaxEjection.Seconds(), ScrapeFailures: routing.DefaultScrapeFailures,
+			AdapterRetentionSecs: routing.DefaultAdapterRetention.Seconds()},
 	}
 }
 
@@ -192,6 +216,10 @@ func (c *FileConfig) Validate() error {
 		return fmt.Errorf("decision_log.format: want csv or jsonl, got %q", c.DecisionLog.Format)
 	case c.DecisionLog.MaxBytes < 0:
 		return fmt.Errorf("decision_log.max_bytes: must be >= 0")
+	case !(c.Health.BaseEjectionSecs > 0) || !(c.Health.MaxEjectionSecs >= c.Health.BaseEjectionSecs):
+		return fmt.Errorf("health: base_ejection_secs must be > 0 and max_ejection_secs >= it")
+	case !(c.Health.AdapterRetentionSecs >= 0):
+		return fmt.Errorf("health.adapter_retention_secs: must be >= 0")
 	case !(c.Tokenizer.TimeoutSecs > 0):
 		return fmt.Errorf("tokenizer.timeout_secs: must be > 0, got %v", c.Tokenizer.TimeoutSecs)
 	}
@@ -252,6 +280,11 @@ func (c *FileConfig) engineOptions(fallbacks int) routing.Options {
 			MaxEntries:       r.MaxTreeSize,
 			PruneTargetRatio: r.PruneTargetRatio,
 		},
+		Ejection: routing.EjectionOptions{
+			ConsecutiveErrors: c.Health.ConsecutiveErrors, BaseEjection: secs(c.Health.BaseEjectionSecs),
+			MaxEjection: secs(c.Health.MaxEjectionSecs), ScrapeFailures: c.Health.ScrapeFailures, Disabled: c.Health.Disabled,
+		},
+		AdapterRetention: secs(c.Health.AdapterRetentionSecs),
 		Admission: admission.Config{
 			Threshold: r.QueueThreshold,
 			Policy:    admission.Policy(r.QueuePolicy),

@@ -439,12 +439,15 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		mux.HandleFunc("/debug/endpoints", func(w http.ResponseWriter, _ *http.Request) {
 			type row struct {
 				routing.Endpoint
-				InFlight  int64 `json:"inflight"`
-				Decisions int64 `json:"decisions"`
+				InFlight  int64               `json:"inflight"`
+				Decisions int64               `json:"decisions"`
+				Health    routing.Health      `json:"health"`
+				Scraped   []routing.ModelName `json:"scraped_adapters,omitempty"`
 			}
 			var rows []row
+			now := engine.Clock().Now()
 			for _, st := range engine.Endpoints() {
-				rows = append(rows, row{st.Endpoint, st.InFlight.Load(), st.Decisions.Load()})
+				rows = append(rows, row{st.Endpoint, st.InFlight.Load(), st.Decisions.Load(), st.Health(now), st.ScrapedAdapters()})
 			}
 			w.Header().Set("content-type", "application/json")
 			st := hub.Stats()
@@ -457,7 +460,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	if o.ScrapeInterval > 0 {
 		sc := scrape.New(scrape.Config{Interval: o.ScrapeInterval, Timeout: o.ScrapeTimeout}, scrape.Deps{
 			Logger: log, Targets: scrape.EngineTargets(engine), Publish: scrape.EnginePublish(engine),
-			OnError: func(t scrape.Target, err error) { log.Debug("scrape failed", "endpoint", t.Key, "err", err) },
+			OnError: scrape.EngineFailure(engine, func(t scrape.Target, err error) { log.Debug("scrape failed", "endpoint", t.Key, "err", err) }),
 		})
 		reg.MustRegister(scrapeCollector{sc})
 		bg.Add(1)
