@@ -74,6 +74,7 @@ type registerOptions struct {
 	models, adapters                       listFlag
 	labels                                 labelFlag
 	engine, metricsURL, kvEvents, kvReplay string
+	kvFirstSeq                             uint64
 	blockSize, maxBatched, dpSize          int
 	weight                                 float64
 	kvBind                                 bool
@@ -106,6 +107,7 @@ func (o *registerOptions) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.kvEvents, "kv-events", "", "KV-events ZMQ address, tcp://host:port")
 	fs.BoolVar(&o.kvBind, "kv-events-bind", false, "the router binds --kv-events and the worker connects (llm-d-inference-sim)")
 	fs.StringVar(&o.kvReplay, "kv-events-replay", "", "KV-events replay address (vLLM replay_endpoint)")
+	fs.Uint64Var(&o.kvFirstSeq, "kv-events-first-seq", 0, "sequence number of the worker's first KV-event message (vLLM 0, llm-d-inference-sim 1)")
 	fs.Var(o.labels, "label", "discovery label key=value (repeatable)")
 }
 
@@ -157,6 +159,9 @@ func (o *registerOptions) record(set map[string]bool) (routing.Endpoint, error) 
 	}
 	if set["kv-events-replay"] {
 		ep.KVEventsReplay = o.kvReplay
+	}
+	if set["kv-events-first-seq"] {
+		ep.KVEventsFirstSeq = o.kvFirstSeq
 	}
 	if len(o.labels) > 0 {
 		if ep.Labels == nil {
