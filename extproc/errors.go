@@ -98,19 +98,29 @@ type errorBody struct {
 	} `json:"error"`
 }
 
-// immediate builds the ImmediateResponse for a rejection.
-func (r *Rejection) immediate() *extprocv3.ProcessingResponse {
+// HeaderError names the rejection's code on every local reply.
+const HeaderError = "x-kvbandit-error"
+
+// Body returns the OpenAI-style JSON error body:
+// {"error":{"message":...,"type":...,"code":...}}.
+func (r *Rejection) Body() []byte {
 	var b errorBody
 	b.Error.Message = r.Err.Error()
 	b.Error.Type = r.Type
 	b.Error.Code = r.Code
 	body, _ := json.Marshal(&b) // cannot fail: plain strings
+	return body
+}
+
+// immediate builds the ImmediateResponse for a rejection.
+func (r *Rejection) immediate() *extprocv3.ProcessingResponse {
+	body := r.Body()
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
 		ImmediateResponse: &extprocv3.ImmediateResponse{
 			Status: &typev3.HttpStatus{Code: typev3.StatusCode(r.Status)},
 			Headers: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 				setHeader("content-type", "application/json"),
-				setHeader("x-kvbandit-error", r.Code),
+				setHeader(HeaderError, r.Code),
 			}},
 			Body:    body,
 			Details: "kvbandit_" + r.Code,

@@ -2,7 +2,6 @@ package extproc
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -14,11 +13,9 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 
-	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/openai"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
-	"github.com/kvbandit/kvbandit/tokenizer/models"
 )
 
 // EPP protocol names.
@@ -302,27 +299,10 @@ func (p *processor) decide(ctx context.Context) error {
 	m := p.s.metrics
 	t0 := p.s.clk.Now()
 	req := routing.Request{ID: p.requestID, Path: p.path, Tenant: p.tenant, Arrival: p.started, Subset: p.subset}
-	var parsed *openai.Request
-	if len(p.body) > 0 || p.kind != openai.KindOther {
-		var err error
-		parsed, err = openai.Parse(p.kind, p.body)
-		if err != nil {
-			if p.kind != openai.KindOther {
-				return err
-			}
-			parsed = nil // unknown paths are routed by load only
-		}
+	parsed, problems, err := ParseRequest(p.kind, p.body, p.header, &req)
+	if err != nil {
+		return err
 	}
-	nv := openai.NVExt{}
-	if parsed != nil {
-		req.Model = routing.ModelName(parsed.Model)
-		req.Stream = parsed.Stream
-		req.MaxTokens = parsed.MaxTokens
-		req.CacheSalt = parsed.CacheSalt
-		nv = parsed.NVExt
-	}
-	h, problems := hints.Parse(p.header, nv)
-	req.Hints = h
 	if problems.Count > 0 {
 		m.hintProblems.Add(float64(problems.Count))
 	}
@@ -356,28 +336,14 @@ func (p *processor) decide(ctx context.Context) error {
 
 // tokenize fills the request's tokens, falling back to a byte estimate.
 func (p *processor) tokenize(ctx context.Context, parsed *openai.Request, req *routing.Request) {
-	reason := "no_tokenizer"
-	if p.s.tok != nil {
-		tctx, cancel := context.WithTimeout(ctx, p.s.cfg.TokenizerTimeout)
-		ids, err := p.s.tok.Encode(tctx, parsed, p.body)
-		cancel()
-		if err == nil {
-			req.Tokens, req.TokenCount = ids, len(ids)
-			return
-		}
-		reason = "error"
-		switch {
-		case errors.Is(err, context.DeadlineExceeded):
-			reason = "timeout"
-		case errors.Is(err, models.ErrNoTokenizer):
-			reason = "no_tokenizer"
-		}
+	reason, err := TokenizeRequest(ctx, p.s.tok, p.s.cfg.TokenizerTimeout, parsed, p.body, req)
+	if reason == "" {
+		return
+	}
+	if err != nil {
 		p.s.log.Debug("tokenizer failed; estimating", "err", err, "model", parsed.Model)
 	}
 	p.s.metrics.tokenizerFallbacks.WithLabelValues(reason).Inc()
-	req.Tokens = estimateTokens(parsed)
-	req.TokenCount = len(req.Tokens)
-	req.Estimated = true
 }
 
 // header returns a request header that hint parsing may ask for.
