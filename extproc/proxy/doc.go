@@ -1,0 +1,63 @@
+// Package proxy is kvbandit's standalone OpenAI-compatible reverse proxy
+// (`kvbandit serve --http-addr`): it routes with the engine in-process, with
+// no Envoy and no gRPC hop, for users who run kvbandit without a gateway.
+//
+// # Overview
+//
+// [Proxy] is an http.Handler for the /v1/ tree:
+//
+//   - POST /v1/chat/completions and POST /v1/completions are parsed,
+//     tokenized and routed exactly as on the ext_proc path
+//     ([extproc.ParseRequest], [extproc.TokenizeRequest]: the same hints from
+//     x-prefix-* headers and nvext, the same byte-estimate fallback), then
+//     forwarded to http://<endpoint> with the body bytes as received.
+//   - Any other /v1/ path (GET /v1/models, /v1/embeddings, ...) is routed by
+//     load only, as ext_proc routes it, and passed through.
+//   - POST /v1/route ([RoutePath]) answers, for a body that is a normal chat
+//     or completion request, the endpoint that would be chosen and the
+//     per-endpoint scores, through [routing.Scorer] (Engine.Score): no slot
+//     accounting, no reuse budget spent, no learning. It is the reference
+//     standalone router's best_worker_id.
+//
+// Errors are the ext_proc path's: [extproc.Reject] maps them to a status and
+// [extproc.Rejection.Body] writes the OpenAI-style JSON error body, with the
+// code in the x-kvbandit-error header. Errors only the proxy meets (the
+// worker cannot be reached, a path outside /v1/, a wrong method on
+// /v1/route) are [extproc.Rejection] values built here, which Reject passes
+// through unchanged.
+//
+// Responses are streamed: every chunk read from the worker is written and
+// flushed at once (SSE is never buffered). The proxy adds the response
+// header x-kvbandit-endpoint ([HeaderEndpoint]) naming the endpoint that
+// served the request — the proxy dialled it itself, so chosen and served
+// are the same — and sends the worker x-gateway-destination-endpoint (and
+// x-data-parallel-rank for a data-parallel rank) as a gateway would.
+// Client-supplied x-gateway-destination-endpoint*, x-data-parallel-rank and
+// x-kvbandit-* headers are dropped. Hop-by-hop headers are removed both
+// ways; compression is left to the client and the worker (the transport
+// neither asks for nor undoes it).
+//
+// # Concurrency
+//
+// ServeHTTP runs on the http.Server's goroutine per request and shares only
+// the engine (lock-free picks), the tokenizer and one http.Transport
+// (keep-alive connections to the workers).
+//
+// # Lifecycle
+//
+// A request's decision is made once the body is read and parsed. From then
+// on exactly one Decision.Done ends it, on every path: the response ended
+// (success below 400, upstream_error from 400 on), the worker could not be
+// reached (upstream_error with status 0, answered 503 upstream_unavailable),
+// the worker's body broke off (upstream_error; the client connection is
+// aborted so the client sees a truncated response), the client went away
+// (cancelled), or [Proxy.Stop] cut the request at shutdown (abandoned). The
+// outcome carries the status, the time to the first generated content
+// (SSE: the first chunk with content; JSON: the first body byte of a 2xx),
+// the usage the worker reported (prompt, completion and cached tokens) and
+// the served endpoint.
+//
+// At shutdown the http.Server stops accepting and lets in-flight requests
+// run for the drain timeout; then [Proxy.Stop] cancels the ones left and
+// [Proxy.Wait] waits for their handlers.
+package proxy

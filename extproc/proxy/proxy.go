@@ -1,0 +1,596 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbandit/kvbandit/extproc"
+	"github.com/kvbandit/kvbandit/extproc/openai"
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/clock"
+)
+
+// HeaderEndpoint is the response header naming the endpoint ("ip:port")
+// that served the request (the proxy's counterpart of Envoy's
+// x-gateway-destination-endpoint-served).
+const HeaderEndpoint = "x-kvbandit-endpoint"
+
+// RoutePath answers which endpoint a request would go to, without routing
+// it.
+const RoutePath = "/v1/route"
+
+// Engine is what the proxy needs from the routing engine: committed picks
+// for proxied requests and side-effect-free scoring for /v1/route.
+// *routing.Engine implements it.
+type Engine interface {
+	routing.Picker
+	routing.Scorer
+}
+
+var _ Engine = (*routing.Engine)(nil)
+
+// Config holds the proxy's limits. Zero fields take the ext_proc defaults.
+type Config struct {
+	// MaxBodyBytes is the largest request body accepted (413 beyond).
+	MaxBodyBytes int64
+	// DecisionTimeout bounds body read → decision (503 decision_timeout
+	// beyond); it never applies to the response.
+	DecisionTimeout time.Duration
+	// TenantHeader names the request header that carries the tenant.
+	TenantHeader string
+	// MaxSSEEvent bounds one buffered SSE event (and a JSON response kept
+	// for its usage).
+	MaxSSEEvent int
+	// TokenizerTimeout bounds one request's tokenization.
+	TokenizerTimeout time.Duration
+}
+
+func (c *Config) defaults() {
+	if c.MaxBodyBytes <= 0 {
+		c.MaxBodyBytes = extproc.DefaultMaxBodyBytes
+	}
+	if c.DecisionTimeout <= 0 {
+		c.DecisionTimeout = extproc.DefaultDecisionTimeout
+	}
+	if c.MaxSSEEvent <= 0 {
+		c.MaxSSEEvent = extproc.DefaultMaxSSEEvent
+	}
+	if c.TokenizerTimeout <= 0 {
+		c.TokenizerTimeout = extproc.DefaultTokenizerTimeout
+	}
+}
+
+// Deps are the proxy's injected dependencies; nil fields get defaults
+// except Engine, which is required.
+type Deps struct {
+	Engine    Engine
+	Tokenizer extproc.Tokenizer
+	Logger    *slog.Logger
+	// Registry receives the proxy's metrics (a private registry when nil).
+	Registry prometheus.Registerer
+	// Clock must be the engine's clock: TTFT and latency are measured
+	// from Decision.At.
+	Clock clock.Clock
+	// Transport carries requests to the workers; nil: [NewTransport].
+	Transport http.RoundTripper
+}
+
+// NewTransport returns the transport the proxy uses by default: keep-alive
+// connections to every worker, no proxy from the environment, and no
+// transparent compression (Accept-Encoding and Content-Encoding pass through
+// untouched).
+func NewTransport() *http.Transport {
+	return &http.Transport{
+		DialContext:           (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:          4096,
+		MaxIdleConnsPerHost:   512,
+		IdleConnTimeout:       90 * time.Second,
+		ExpectContinueTimeout: time.Second,
+		DisableCompression:    true,
+		WriteBufferSize:       64 << 10,
+		ReadBufferSize:        64 << 10,
+	}
+}
+
+// Errors the proxy answers itself, beyond those [extproc.Reject] maps.
+var (
+	// ErrUpstreamUnavailable: the chosen worker could not be reached (503).
+	ErrUpstreamUnavailable = errors.New("upstream unavailable")
+	// ErrNotFound: the path is outside /v1/ (404).
+	ErrNotFound = errors.New("not found")
+	// ErrMethodNotAllowed: /v1/route takes POST only (405).
+	ErrMethodNotAllowed = errors.New("method not allowed")
+	// errStopped is the cause of requests cut by Stop.
+	errStopped = fmt.Errorf("%w: proxy stopped", extproc.ErrShuttingDown)
+)
+
+// reject turns a proxy-only error into its rejection; everything else goes
+// through extproc.Reject, the one mapping of routing and request errors.
+func reject(err error) *extproc.Rejection {
+	switch {
+	case errors.Is(err, ErrUpstreamUnavailable):
+		return &extproc.Rejection{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "upstream_unavailable", Err: err}
+	case errors.Is(err, ErrNotFound):
+		return &extproc.Rejection{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found", Err: err}
+	case errors.Is(err, ErrMethodNotAllowed):
+		return &extproc.Rejection{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error", Code: "method_not_allowed", Err: err}
+	}
+	if r := extproc.Reject(err); r != nil {
+		return r
+	}
+	return &extproc.Rejection{Status: http.StatusInternalServerError, Type: "internal_error", Code: "internal", Err: err}
+}
+
+// Proxy is the standalone OpenAI-compatible reverse proxy. Make it with New.
+type Proxy struct {
+	cfg     Config
+	engine  Engine
+	tok     extproc.Tokenizer
+	log     *slog.Logger
+	clk     clock.Clock
+	rt      http.RoundTripper
+	ownRT   *http.Transport
+	metrics *metrics
+	bufs    sync.Pool
+
+	inflight atomic.Int64
+	wg       sync.WaitGroup
+	stopCtx  context.Context
+	stop     context.CancelCauseFunc
+}
+
+var _ http.Handler = (*Proxy)(nil)
+
+// New returns a proxy. deps.Engine must be set.
+func New(cfg Config, deps Deps) *Proxy {
+	cfg.defaults()
+	p := &Proxy{cfg: cfg, engine: deps.Engine, tok: deps.Tokenizer, log: deps.Logger, clk: clock.Or(deps.Clock), rt: deps.Transport}
+	if p.log == nil {
+		p.log = slog.Default()
+	}
+	if p.rt == nil {
+		p.ownRT = NewTransport()
+		p.rt = p.ownRT
+	}
+	p.bufs.New = func() any { b := make([]byte, 32<<10); return &b }
+	p.stopCtx, p.stop = context.WithCancelCause(context.Background())
+	p.metrics = newMetrics(deps.Registry, func() float64 { return float64(p.inflight.Load()) })
+	return p
+}
+
+// InFlight is the number of requests being handled.
+func (p *Proxy) InFlight() int64 { return p.inflight.Load() }
+
+// Stop cuts every request still in flight (their decisions end as
+// abandoned) and closes the idle connections of the proxy's own transport.
+// Requests that arrive afterwards are cut at once.
+func (p *Proxy) Stop() {
+	p.stop(errStopped)
+	p.CloseIdleConnections()
+}
+
+// CloseIdleConnections closes the idle keep-alive connections to workers
+// (of the proxy's own transport).
+func (p *Proxy) CloseIdleConnections() {
+	if p.ownRT != nil {
+		p.ownRT.CloseIdleConnections()
+	}
+}
+
+// Wait blocks until every handler has returned or ctx is done.
+func (p *Proxy) Wait(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() { p.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// ServeHTTP implements [http.Handler].
+func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	p.wg.Add(1)
+	defer p.wg.Done()
+	p.inflight.Add(1)
+	defer p.inflight.Add(-1)
+	switch {
+	case r.URL.Path == RoutePath:
+		p.route(w, r)
+	case strings.HasPrefix(r.URL.Path, "/v1/"):
+		p.forward(w, r)
+	default:
+		p.fail(w, pathOther, fmt.Errorf("%w: %s", ErrNotFound, r.URL.Path))
+	}
+}
+
+// fail answers err as an OpenAI-style error and counts the request.
+func (p *Proxy) fail(w http.ResponseWriter, path string, err error) {
+	p.metrics.request(path, p.reply(w, err))
+}
+
+// reply answers err as an OpenAI-style error and returns the status.
+func (p *Proxy) reply(w http.ResponseWriter, err error) int {
+	rej := reject(err)
+	h := w.Header()
+	h.Set("Content-Type", "application/json")
+	h.Set(extproc.HeaderError, rej.Code)
+	if rej.Status == http.StatusMethodNotAllowed {
+		h.Set("Allow", http.MethodPost)
+	}
+	w.WriteHeader(rej.Status)
+	_, _ = w.Write(rej.Body())
+	return rej.Status
+}
+
+// readBody reads the request body, bounded by MaxBodyBytes.
+func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
+	limit := p.cfg.MaxBodyBytes
+	if r.ContentLength > limit {
+		return nil, fmt.Errorf("%w: more than %d bytes", extproc.ErrBodyTooLarge, limit)
+	}
+	if r.Body == nil || r.Body == http.NoBody {
+		return nil, nil
+	}
+	var buf bytes.Buffer
+	if r.ContentLength > 0 {
+		buf.Grow(int(r.ContentLength) + 1)
+	}
+	_, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, limit))
+	var mbe *http.MaxBytesError
+	switch {
+	case errors.As(err, &mbe):
+		return nil, fmt.Errorf("%w: more than %d bytes", extproc.ErrBodyTooLarge, limit)
+	case err != nil:
+		return nil, &extproc.Rejection{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "body_read_error", Err: err}
+	}
+	return buf.Bytes(), nil
+}
+
+// build parses, reads hints and tokenizes: the routing.Request for body.
+func (p *Proxy) build(ctx context.Context, r *http.Request, kind openai.Kind, body []byte) (routing.Request, error) {
+	req := routing.Request{ID: r.Header.Get("X-Request-Id"), Path: r.URL.RequestURI(), Arrival: p.clk.Now()}
+	if p.cfg.TenantHeader != "" {
+		req.Tenant = r.Header.Get(p.cfg.TenantHeader)
+	}
+	header := func(name string) (string, bool) {
+		v := r.Header.Values(name)
+		if len(v) == 0 {
+			return "", false
+		}
+		return v[0], true
+	}
+	parsed, problems, err := extproc.ParseRequest(kind, body, header, &req)
+	if err != nil {
+		return req, err
+	}
+	if problems.Count > 0 {
+		p.metrics.hintProblems.Add(float64(problems.Count))
+	}
+	if parsed != nil {
+		reason, terr := extproc.TokenizeRequest(ctx, p.tok, p.cfg.TokenizerTimeout, parsed, body, &req)
+		if reason != "" {
+			if terr != nil {
+				p.log.Debug("tokenizer failed; estimating", "err", terr, "model", parsed.Model)
+			}
+			p.metrics.tokenizerFallbacks.WithLabelValues(reason).Inc()
+		}
+	}
+	return req, nil
+}
+
+// forward routes and proxies one request.
+func (p *Proxy) forward(w http.ResponseWriter, r *http.Request) {
+	kind := openai.KindOf(r.URL.Path)
+	path := pathClass(kind, r.URL.Path)
+	// ctx ends when the client goes away or Stop cuts the request.
+	ctx, cancel := context.WithCancelCause(r.Context())
+	defer cancel(nil)
+	unhook := context.AfterFunc(p.stopCtx, func() { cancel(context.Cause(p.stopCtx)) })
+	defer unhook()
+
+	body, err := p.readBody(w, r)
+	if err != nil {
+		p.fail(w, path, err)
+		return
+	}
+	req, err := p.build(ctx, r, kind, body)
+	if err != nil {
+		p.fail(w, path, err)
+		return
+	}
+	pctx, cancelPick := context.WithTimeoutCause(ctx, p.cfg.DecisionTimeout, extproc.ErrDecisionTimeout)
+	d, err := p.engine.Pick(pctx, &req)
+	cancelPick()
+	if err != nil {
+		if ctx.Err() != nil && !errors.Is(context.Cause(ctx), errStopped) {
+			p.metrics.request(path, 0) // the client went away while queued
+			return
+		}
+		p.fail(w, path, err)
+		return
+	}
+	p.metrics.tokensRouted.Add(float64(req.TokenCount))
+	x := &exchange{p: p, d: d, ctx: ctx}
+	defer func() { p.metrics.request(path, x.reply) }()
+	defer x.recoverEnd()
+	x.run(w, r, body)
+}
+
+// exchange is one proxied request after its decision: it owns the
+// decision until it ends it, exactly once.
+type exchange struct {
+	p   *Proxy
+	d   *routing.Decision
+	ctx context.Context
+	// reply is the status the client got (0: none, the client went away).
+	reply int
+
+	status     int
+	sse        bool
+	json       bool
+	stream     *openai.StreamParser
+	respBody   []byte
+	respOver   bool
+	ttft       time.Duration
+	sawContent bool
+	ended      bool
+}
+
+// recoverEnd is the safety net: a panic (http.ErrAbortHandler included)
+// still ends the decision, as a reset, and is re-raised.
+func (x *exchange) recoverEnd() {
+	if x.ended {
+		return
+	}
+	v := recover()
+	x.end(routing.OutcomeReset)
+	if v != nil {
+		panic(v)
+	}
+}
+
+func (x *exchange) run(w http.ResponseWriter, r *http.Request, body []byte) {
+	p, d := x.p, x.d
+	ep := string(d.Endpoint)
+	up, err := http.NewRequestWithContext(x.ctx, r.Method, "http://"+ep+r.URL.RequestURI(), bytes.NewReader(body))
+	if err != nil {
+		x.end(routing.OutcomeRejected)
+		x.reply = p.reply(w, err)
+		return
+	}
+	if len(body) == 0 {
+		up.Body, up.GetBody, up.ContentLength = http.NoBody, nil, 0
+	}
+	up.Header = outboundHeader(r)
+	up.Header.Set(extproc.HeaderDestination, ep)
+	if d.DPRank >= 0 {
+		up.Header.Set(extproc.HeaderDPRank, strconv.Itoa(d.DPRank))
+	}
+	resp, err := p.rt.RoundTrip(up)
+	if err != nil {
+		if x.ctx.Err() != nil {
+			x.end(x.cancelKind())
+			if x.cancelKind() == routing.OutcomeAbandoned {
+				x.reply = p.reply(w, context.Cause(x.ctx))
+			}
+			return
+		}
+		p.metrics.upstreamErrors.WithLabelValues("connect").Inc()
+		x.end(routing.OutcomeUpstreamError) // status 0: no response
+		p.log.Debug("upstream unreachable", "endpoint", ep, "err", err)
+		x.reply = p.reply(w, fmt.Errorf("%w: %s: %w", ErrUpstreamUnavailable, ep, err))
+		return
+	}
+	defer resp.Body.Close()
+	x.status = resp.StatusCode
+	ct := strings.ToLower(resp.Header.Get("Content-Type"))
+	x.sse = strings.Contains(ct, "text/event-stream")
+	x.json = strings.Contains(ct, "json")
+	if x.sse {
+		x.stream = openai.NewStreamParser(p.cfg.MaxSSEEvent)
+	}
+
+	h := w.Header()
+	copyHeader(h, resp.Header)
+	h.Set(HeaderEndpoint, ep)
+	for k := range resp.Trailer {
+		h.Add("Trailer", k)
+	}
+	w.WriteHeader(resp.StatusCode)
+	x.reply = resp.StatusCode
+	rc := http.NewResponseController(w)
+	_ = rc.Flush() // headers out now: an SSE client sees the stream open
+
+	bp := p.bufs.Get().(*[]byte)
+	defer p.bufs.Put(bp)
+	buf := *bp
+	for {
+		n, rerr := resp.Body.Read(buf)
+		if n > 0 {
+			x.observe(buf[:n])
+			if _, werr := w.Write(buf[:n]); werr != nil {
+				x.end(x.cancelKind())
+				return
+			}
+			if ferr := rc.Flush(); ferr != nil {
+				x.end(x.cancelKind())
+				return
+			}
+		}
+		if rerr == io.EOF {
+			break
+		}
+		if rerr != nil {
+			if x.ctx.Err() != nil {
+				x.end(x.cancelKind())
+				return
+			}
+			// The worker broke off: end the decision, then abort the
+			// client's connection so the truncation is visible.
+			p.metrics.upstreamErrors.WithLabelValues("body").Inc()
+			p.log.Debug("upstream body broke off", "endpoint", ep, "err", rerr)
+			x.end(routing.OutcomeUpstreamError)
+			panic(http.ErrAbortHandler)
+		}
+	}
+	for k, vv := range resp.Trailer {
+		w.Header()[http.TrailerPrefix+k] = vv
+	}
+	if x.status >= 200 && x.status < 400 {
+		x.end(routing.OutcomeSuccess)
+	} else {
+		p.metrics.upstreamErrors.WithLabelValues("status").Inc()
+		x.end(routing.OutcomeUpstreamError)
+	}
+}
+
+// cancelKind says how a request whose context ended is charged: abandoned
+// when Stop cut it, cancelled when the client went away.
+func (x *exchange) cancelKind() routing.OutcomeKind {
+	if errors.Is(context.Cause(x.ctx), errStopped) {
+		return routing.OutcomeAbandoned
+	}
+	return routing.OutcomeCancelled
+}
+
+// observe feeds a response chunk to the TTFT and usage trackers (as the
+// ext_proc processor does).
+func (x *exchange) observe(chunk []byte) {
+	switch {
+	case x.stream != nil:
+		if x.stream.Feed(chunk) && !x.sawContent {
+			x.markFirstContent()
+		}
+	default:
+		if !x.sawContent && x.status >= 200 && x.status < 300 {
+			x.markFirstContent()
+		}
+		if x.json && !x.respOver {
+			if len(x.respBody)+len(chunk) > x.p.cfg.MaxSSEEvent {
+				x.respOver, x.respBody = true, nil
+			} else {
+				x.respBody = append(x.respBody, chunk...)
+			}
+		}
+	}
+}
+
+func (x *exchange) markFirstContent() {
+	x.sawContent = true
+	x.ttft = x.p.clk.Now().Sub(x.d.At)
+	x.d.Prefilled()
+}
+
+// end reports the outcome; only the first call counts.
+func (x *exchange) end(kind routing.OutcomeKind) {
+	if x.ended {
+		return
+	}
+	x.ended = true
+	o := routing.NoUsage(kind)
+	o.Status = x.status
+	if x.status != 0 {
+		o.Served = x.d.Endpoint
+	}
+	if kind == routing.OutcomeSuccess || kind == routing.OutcomeUpstreamError {
+		o.Latency = x.p.clk.Now().Sub(x.d.At)
+		o.TTFT = x.ttft
+		var u openai.Usage
+		var ok bool
+		if x.stream != nil {
+			u, ok = x.stream.Usage()
+		} else if len(x.respBody) > 0 {
+			u, ok = openai.ParseUsage(x.respBody)
+		}
+		if ok {
+			o.PromptTokens, o.CompletionTokens, o.CachedTokens = u.PromptTokens, u.CompletionTokens, u.CachedTokens
+		}
+	}
+	x.d.Done(o)
+	x.respBody = nil
+	m := x.p.metrics
+	m.outcomes.WithLabelValues(kind.String()).Inc()
+	if o.TTFT > 0 {
+		m.ttft.Observe(o.TTFT.Seconds())
+	}
+}
+
+// hopHeaders are removed in both directions (RFC 9110 section 7.6.1, and
+// the ones net/http/httputil.ReverseProxy removes).
+var hopHeaders = [...]string{
+	"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
+	"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade",
+}
+
+// hop reports whether k is a hop-by-hop header, either by name or because
+// the Connection header lists it.
+func hop(k string, connection []string) bool {
+	for _, h := range hopHeaders {
+		if strings.EqualFold(k, h) {
+			return true
+		}
+	}
+	for _, v := range connection {
+		for f := range strings.SplitSeq(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(f), k) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// outboundHeader copies the client's request headers for the worker
+// without hop-by-hop headers and without headers that could pose as the
+// gateway's (x-gateway-destination-endpoint*, x-data-parallel-rank) or as
+// kvbandit's own; it appends the client to X-Forwarded-For and keeps
+// "TE: trailers" (gRPC-style clients need it end to end).
+func outboundHeader(r *http.Request) http.Header {
+	conn := r.Header.Values("Connection")
+	out := make(http.Header, len(r.Header)+3)
+	for k, vv := range r.Header {
+		lk := strings.ToLower(k)
+		if hop(k, conn) || strings.HasPrefix(lk, "x-gateway-destination-endpoint") || lk == extproc.HeaderDPRank || strings.HasPrefix(lk, "x-kvbandit-") {
+			continue
+		}
+		out[k] = vv
+	}
+	for _, te := range r.Header.Values("Te") {
+		if strings.Contains(strings.ToLower(te), "trailers") {
+			out.Set("Te", "trailers")
+		}
+	}
+	if ip, _, err := net.SplitHostPort(r.RemoteAddr); err == nil {
+		if prior := out.Values("X-Forwarded-For"); len(prior) > 0 {
+			ip = strings.Join(prior, ", ") + ", " + ip
+		}
+		out.Set("X-Forwarded-For", ip)
+	}
+	return out
+}
+
+// copyHeader copies the worker's response headers without hop-by-hop ones.
+func copyHeader(dst, src http.Header) {
+	conn := src.Values("Connection")
+	for k, vv := range src {
+		if hop(k, conn) || strings.HasPrefix(strings.ToLower(k), "x-kvbandit-") {
+			continue
+		}
+		dst[k] = vv
+	}
+}

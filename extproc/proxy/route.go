@@ -1,0 +1,90 @@
+package proxy
+
+import (
+	"encoding/json"
+	"fmt"
+	"math"
+	"net/http"
+	"strconv"
+
+	"github.com/tidwall/gjson"
+
+	"github.com/kvbandit/kvbandit/extproc/openai"
+	"github.com/kvbandit/kvbandit/routing"
+)
+
+// RouteResponse is the answer of POST /v1/route.
+type RouteResponse struct {
+	// Endpoint is the endpoint ("ip:port") the request would be sent to.
+	Endpoint string `json:"endpoint"`
+	// DPRank is the data-parallel rank, -1 for a single-rank endpoint.
+	DPRank int `json:"dp_rank"`
+	// Policy is the policy that scored.
+	Policy string `json:"policy"`
+	// Scores are the per-candidate scores as the policy defines them (the
+	// kv-based policies give costs: lower is better; least_loaded negated
+	// in-flight counts: higher is better); empty for policies that do not
+	// score (round_robin, random); a non-finite score is left out. Keyed by "ip:port", or "ip:port#rank"
+	// for data-parallel ranks.
+	Scores map[string]float64 `json:"scores"`
+	// OverlapBlocks is the chosen endpoint's predicted number of cached
+	// prefix blocks.
+	OverlapBlocks int `json:"overlap_blocks"`
+	// Tokens is the prompt length in tokens; Estimated says it comes from
+	// the byte estimate rather than the model's tokenizer.
+	Tokens    int  `json:"tokens"`
+	Estimated bool `json:"estimated"`
+}
+
+// route answers POST /v1/route through the engine's side-effect-free
+// Score. The body is a chat request (it has "messages") or a completion
+// request; hints are read as for a proxied request.
+func (p *Proxy) route(w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodPost {
+		p.fail(w, pathRoute, fmt.Errorf("%w: %s %s", ErrMethodNotAllowed, r.Method, RoutePath))
+		return
+	}
+	body, err := p.readBody(w, r)
+	if err != nil {
+		p.fail(w, pathRoute, err)
+		return
+	}
+	kind := openai.KindChat
+	if !gjson.GetBytes(body, "messages").Exists() && gjson.GetBytes(body, "prompt").Exists() {
+		kind = openai.KindCompletion
+	}
+	req, err := p.build(r.Context(), r, kind, body)
+	if err != nil {
+		p.fail(w, pathRoute, err)
+		return
+	}
+	d, err := p.engine.Score(r.Context(), &req)
+	if err != nil {
+		p.fail(w, pathRoute, err)
+		return
+	}
+	out := RouteResponse{Endpoint: string(d.Endpoint), DPRank: d.DPRank, Policy: d.Policy, Scores: make(map[string]float64, len(d.Scores)),
+		OverlapBlocks: d.Overlap, Tokens: req.TokenCount, Estimated: req.Estimated}
+	for _, s := range d.Scores {
+		if !math.IsNaN(s.Score) && !math.IsInf(s.Score, 0) { // JSON has no infinities
+			out.Scores[scoreKey(s)] = s.Score
+		}
+	}
+	b, err := json.Marshal(&out)
+	if err != nil {
+		p.fail(w, pathRoute, fmt.Errorf("encoding scores: %w", err))
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set(HeaderEndpoint, out.Endpoint)
+	w.WriteHeader(http.StatusOK)
+	_, _ = w.Write(b)
+	p.metrics.request(pathRoute, http.StatusOK)
+}
+
+func scoreKey(s routing.Score) string {
+	if s.DPRank < 0 {
+		return string(s.Endpoint)
+	}
+	return string(s.Endpoint) + "#" + strconv.Itoa(s.DPRank)
+}
