@@ -18,6 +18,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/policy/random"
 	"github.com/kvbandit/kvbandit/routing/policy/roundrobin"
 	"github.com/kvbandit/kvbandit/routing/policy/thompson"
+	"github.com/kvbandit/kvbandit/routing/policy/weighted"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
@@ -41,17 +42,18 @@ type Config struct {
 	KV       kv.Config       `json:"kv"`
 	KVBandit kvbandit.Config `json:"kvbandit"`
 	Thompson thompson.Config `json:"thompson"`
+	Weighted weighted.Config `json:"weighted"`
 }
 
 // DefaultConfig returns every policy's defaults.
 func DefaultConfig() Config {
-	return Config{KV: kv.DefaultConfig(), KVBandit: kvbandit.DefaultConfig(), Thompson: thompson.DefaultConfig()}
+	return Config{KV: kv.DefaultConfig(), KVBandit: kvbandit.DefaultConfig(), Thompson: thompson.DefaultConfig(), Weighted: weighted.DefaultConfig()}
 }
 
 // Validate checks every policy's parameters (so that a bad value is refused
 // at start-up even for a policy not selected now).
 func (c *Config) Validate() error {
-	return errors.Join(c.KV.Validate(), c.KVBandit.Validate(), c.Thompson.Validate())
+	return errors.Join(c.KV.Validate(), c.KVBandit.Validate(), c.Thompson.Validate(), c.Weighted.Validate())
 }
 
 // Factory builds a policy.
@@ -122,6 +124,7 @@ func Builtin() *Registry {
 	must(r.Register(leastloaded.Name, func(d Deps) (routing.Policy, error) { return leastloaded.New(d.Rand), nil }))
 	must(r.Register(random.Name, func(d Deps) (routing.Policy, error) { return random.New(d.Rand), nil }))
 	must(r.Register(kv.Name, func(d Deps) (routing.Policy, error) { return kv.New(d.Config.KV) }))
+	must(r.Register(weighted.Name, func(d Deps) (routing.Policy, error) { return weighted.New(d.Config.Weighted) }))
 	must(r.Register(kvbandit.Name, func(d Deps) (routing.Policy, error) {
 		var px kvbandit.Prefixes
 		if d.Prefixes != nil {

@@ -9,7 +9,7 @@ import (
 
 func TestRegistry(t *testing.T) {
 	r := Builtin()
-	for _, n := range []string{"round_robin", "least_loaded", "random"} {
+	for _, n := range []string{"round_robin", "least_loaded", "random", "weighted"} {
 		p, err := r.New(n, Deps{})
 		if err != nil {
 			t.Fatal(err)
@@ -23,5 +23,24 @@ func TestRegistry(t *testing.T) {
 	}
 	if _, err := r.New("nope", Deps{}); !errors.Is(err, ErrUnknownPolicy) {
 		t.Fatalf("err = %v", err)
+	}
+}
+
+// TestConfigCoversWeighted: the weighted policy's parameters are defaulted
+// and validated with the others.
+func TestConfigCoversWeighted(t *testing.T) {
+	c := DefaultConfig()
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if w := c.Weighted; w.PrefixWeight != 3 || w.QueueWeight != 2 || w.KVCacheWeight != 2 {
+		t.Fatalf("weighted defaults = %+v", w)
+	}
+	c.Weighted.QueueWeight = -1
+	if err := c.Validate(); err == nil {
+		t.Fatal("negative weighted.queue_weight accepted")
+	}
+	if _, err := Builtin().New("weighted", Deps{Config: &c}); err == nil {
+		t.Fatal("weighted built with an invalid config")
 	}
 }
