@@ -1,0 +1,26 @@
+// Package sim is a vLLM-like fleet simulator that runs in virtual time and
+// routes every request through the real routing engine.
+//
+// Each simulated worker models vLLM with prefix caching: a KV cache of
+// KVBlocks blocks of BlockSize tokens whose full prompt blocks are keyed by
+// chained block hashes (the router's own recipe, so prefix reuse is real),
+// LRU eviction of unreferenced blocks, continuous batching bounded by
+// MaxNumSeqs, and chunked prefill bounded by MaxBatchedTokens per step.
+//
+// Step time follows Dynamo's mocker: a step that prefills N new tokens
+// costs Prefill(N) (the decode tokens of the same step ride along for
+// free, the prefill dominates the batch); a step with decode tokens only
+// costs Decode(u), u being the KV utilisation (KV tokens of the running
+// requests over the cache's tokens). Both are divided by the worker's
+// speed factor. A fully cached prompt still recomputes its last token, as
+// vLLM does, so every prompt costs at least one prefill step.
+//
+// [Run] is a discrete-event loop (arrivals, step ends, schedule changes,
+// one queue sample per second) that advances the engine's virtual clock to
+// each event, so that the engine's timers fire deterministically: the same
+// configuration, seed and requests give the same [Result] (apart from the
+// wall-clock fields). Runs of identical decode steps are computed in one
+// event up to the next request completion; an arrival on the worker cuts
+// the run at the step in progress, so the result is the same as stepping
+// one token at a time.
+package sim

@@ -1,0 +1,542 @@
+package sim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"net/netip"
+	"strconv"
+	"time"
+
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/kvindex"
+	"github.com/kvbandit/kvbandit/routing/policy"
+)
+
+// Request is one request of a trace.
+type Request struct {
+	Arrival   time.Duration // offset from the trace start
+	Tokens    []uint32      // prompt token ids (shared prefixes share ids)
+	OutputLen int           // tokens to generate (>= 1)
+	Hints     routing.Hints // x-prefix-* hints (agentic traces), zero otherwise
+	Model     string        // "" = any
+	Tenant    string
+}
+
+// WorkerConfig describes one simulated worker. Zero fields take the
+// defaults (Dynamo's mocker).
+type WorkerConfig struct {
+	KVBlocks         int     // default 16384
+	BlockSize        int     // default 64
+	MaxNumSeqs       int     // default 256
+	MaxBatchedTokens int     // default 8192
+	Speed            float64 // default 1 (2 = twice as fast); must be > 0
+	// Prefill is the time of a step that prefills newTokens uncached
+	// prompt tokens (default MockerPrefill).
+	Prefill func(newTokens int) time.Duration
+	// Decode is the time of a decode-only step at KV utilisation kvUtil
+	// (default MockerDecode).
+	Decode func(kvUtil float64) time.Duration
+}
+
+// Change is a schedule entry: at At, worker Worker's speed becomes Speed.
+// Speed 0 stops the worker (its requests wait; the step in progress
+// completes), > 0 sets its speed factor.
+type Change struct {
+	Worker int
+	At     time.Duration
+	Speed  float64
+}
+
+// Config is a simulation.
+type Config struct {
+	Workers         []WorkerConfig
+	Schedule        []Change
+	Policy          string         // a name from policy.Builtin()
+	Policies        *policy.Config // nil = defaults
+	RouterBlockSize int            // default = the workers' BlockSize
+	KVEvents        bool           // true: workers' KV events feed the engine's index (exact, trusted); false: approximate index only
+	Seed            int64
+	Logger          *slog.Logger
+}
+
+// ReqResult is what happened to one request (in the order of the input).
+// Worker is -1 and Err set when the request was not served.
+type ReqResult struct {
+	Worker                                   int
+	Arrival, TTFT, E2E                       time.Duration
+	PromptTokens, CachedTokens, OutputTokens int
+	Err                                      string
+}
+
+// QueueSample is every worker's waiting and running requests at At.
+type QueueSample struct {
+	At               time.Duration
+	Waiting, Running []int
+}
+
+// WorkerResult sums up one worker.
+type WorkerResult struct {
+	Requests int           // requests routed to it
+	Busy     time.Duration // virtual time spent in steps
+	// PrefillTokens are the prompt tokens it computed; CachedTokens those
+	// it found in its cache.
+	PrefillTokens, CachedTokens int
+}
+
+// Result is the outcome of a run.
+type Result struct {
+	Policy   string
+	Requests []ReqResult
+	Workers  []WorkerResult
+	Queue    []QueueSample
+	Span     time.Duration // virtual time from first arrival to last completion
+	Wall     time.Duration // real time Run took
+	// Decisions counts engine picks; DecisionTime is the real time spent
+	// inside engine.Pick.
+	Decisions    int
+	DecisionTime time.Duration
+	// KVEventErrors counts KV events the engine's index refused (0 unless
+	// something is broken).
+	KVEventErrors int
+}
+
+// HitRate is the fraction of served prompt tokens found in a worker's
+// cache.
+func (r *Result) HitRate() float64 {
+	var p, c int
+	for _, q := range r.Requests {
+		if q.Err == "" {
+			p += q.PromptTokens
+			c += q.CachedTokens
+		}
+	}
+	if p == 0 {
+		return 0
+	}
+	return float64(c) / float64(p)
+}
+
+// Configuration errors.
+var (
+	ErrNoWorkers      = errors.New("sim: no workers")
+	ErrWorkerConfig   = errors.New("sim: invalid worker config")
+	ErrSchedule       = errors.New("sim: invalid schedule")
+	ErrInvalidRequest = errors.New("sim: invalid request")
+)
+
+// withDefaults fills zero fields and checks the rest.
+func (c WorkerConfig) withDefaults(i int) (WorkerConfig, error) {
+	bad := func(what string, v any) error {
+		return fmt.Errorf("%w: worker %d: %s %v", ErrWorkerConfig, i, what, v)
+	}
+	switch {
+	case c.KVBlocks < 0:
+		return c, bad("negative KVBlocks", c.KVBlocks)
+	case c.BlockSize < 0:
+		return c, bad("negative BlockSize", c.BlockSize)
+	case c.MaxNumSeqs < 0:
+		return c, bad("negative MaxNumSeqs", c.MaxNumSeqs)
+	case c.MaxBatchedTokens < 0:
+		return c, bad("negative MaxBatchedTokens", c.MaxBatchedTokens)
+	case c.Speed < 0 || math.IsNaN(c.Speed) || math.IsInf(c.Speed, 0):
+		return c, bad("speed must be > 0, got", c.Speed)
+	}
+	if c.KVBlocks == 0 {
+		c.KVBlocks = DefaultKVBlocks
+	}
+	if c.BlockSize == 0 {
+		c.BlockSize = DefaultBlockSize
+	}
+	if c.MaxNumSeqs == 0 {
+		c.MaxNumSeqs = DefaultMaxNumSeqs
+	}
+	if c.MaxBatchedTokens == 0 {
+		c.MaxBatchedTokens = DefaultMaxBatchedTokens
+	}
+	if c.Speed == 0 {
+		c.Speed = 1
+	}
+	if c.Prefill == nil {
+		c.Prefill = MockerPrefill
+	}
+	if c.Decode == nil {
+		c.Decode = MockerDecode
+	}
+	return c, nil
+}
+
+// validate checks cfg and reqs and returns the workers' configs with
+// defaults.
+func validate(cfg *Config, reqs []Request) ([]WorkerConfig, error) {
+	if len(cfg.Workers) == 0 {
+		return nil, ErrNoWorkers
+	}
+	wcs := make([]WorkerConfig, len(cfg.Workers))
+	for i, wc := range cfg.Workers {
+		var err error
+		if wcs[i], err = wc.withDefaults(i); err != nil {
+			return nil, err
+		}
+	}
+	if cfg.RouterBlockSize < 0 {
+		return nil, fmt.Errorf("%w: negative RouterBlockSize %d", ErrWorkerConfig, cfg.RouterBlockSize)
+	}
+	var last time.Duration
+	for i, ch := range cfg.Schedule {
+		switch {
+		case ch.Worker < 0 || ch.Worker >= len(wcs):
+			return nil, fmt.Errorf("%w: change %d: worker %d of %d", ErrSchedule, i, ch.Worker, len(wcs))
+		case ch.At < 0:
+			return nil, fmt.Errorf("%w: change %d: negative time %v", ErrSchedule, i, ch.At)
+		case ch.Speed < 0 || math.IsNaN(ch.Speed) || math.IsInf(ch.Speed, 0):
+			return nil, fmt.Errorf("%w: change %d: speed must be >= 0 (0 stops), got %v", ErrSchedule, i, ch.Speed)
+		case ch.At < last:
+			return nil, fmt.Errorf("%w: change %d: not sorted by time", ErrSchedule, i)
+		}
+		last = ch.At
+	}
+	last = 0
+	for i := range reqs {
+		r := &reqs[i]
+		switch {
+		case r.Arrival < 0:
+			return nil, fmt.Errorf("%w: request %d: negative arrival %v", ErrInvalidRequest, i, r.Arrival)
+		case r.Arrival < last:
+			return nil, fmt.Errorf("%w: request %d: not sorted by arrival", ErrInvalidRequest, i)
+		case len(r.Tokens) == 0:
+			return nil, fmt.Errorf("%w: request %d: empty prompt", ErrInvalidRequest, i)
+		case r.OutputLen < 1:
+			return nil, fmt.Errorf("%w: request %d: output length %d < 1", ErrInvalidRequest, i, r.OutputLen)
+		}
+		last = r.Arrival
+	}
+	return wcs, nil
+}
+
+// epoch is virtual time zero.
+var epoch = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// staleAfter outlives any simulated request: every decision ends with
+// Done, so the engine's sweeper must not release one early under overload.
+const staleAfter = 1000 * time.Hour
+
+// sampleEvery is the queue sampling period.
+const sampleEvery = time.Second
+
+// EndpointKey is the fake address of worker i: 10.0.0.(i+1):8000 for the
+// first 255 workers.
+func EndpointKey(i int) routing.EndpointKey {
+	a := i + 1
+	ip := netip.AddrFrom4([4]byte{10, byte(a >> 16), byte(a >> 8), byte(a)})
+	return routing.EndpointKey(netip.AddrPortFrom(ip, 8000).String())
+}
+
+// Run replays reqs (sorted by Arrival) on the simulated fleet, routing each
+// request with the real engine under cfg.Policy.
+func Run(ctx context.Context, cfg Config, reqs []Request) (*Result, error) {
+	wall := time.Now()
+	wcs, err := validate(&cfg, reqs)
+	if err != nil {
+		return nil, err
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	vc := clock.NewVirtual(epoch)
+	rnd := routing.NewRand(cfg.Seed)
+	pol, err := policy.Builtin().New(cfg.Policy, policy.Deps{Logger: log, Clock: vc, Rand: rnd, Config: cfg.Policies})
+	if err != nil {
+		return nil, fmt.Errorf("sim: %w", err)
+	}
+	if c, ok := pol.(interface{ Close() error }); ok {
+		defer c.Close()
+	}
+	rbs := cfg.RouterBlockSize
+	if rbs == 0 {
+		rbs = wcs[0].BlockSize
+	}
+	eng, err := routing.NewEngine(pol, routing.Options{BlockSize: rbs, SyncIndex: true, StaleAfter: staleAfter}, routing.Deps{Logger: log, Clock: vc, Rand: rnd})
+	if err != nil {
+		return nil, fmt.Errorf("sim: %w", err)
+	}
+	defer eng.Close()
+	s := &simulation{
+		ctx: ctx, eng: eng, vc: vc, reqs: reqs, log: log,
+		res: &Result{Policy: cfg.Policy, Requests: make([]ReqResult, len(reqs)), Workers: make([]WorkerResult, len(wcs))},
+	}
+	set := routing.EndpointSet{Source: "sim"}
+	for i, wc := range wcs {
+		key := EndpointKey(i)
+		set.Endpoints = append(set.Endpoints, routing.Endpoint{Key: key, Engine: "vllm", BlockSize: rbs, MaxBatchedTokens: wc.MaxBatchedTokens})
+		w := newWorker(wc)
+		s.hook(w, key, cfg.KVEvents)
+		s.workers = append(s.workers, w)
+		s.keys = append(s.keys, key)
+	}
+	if err := eng.Update(set); err != nil {
+		return nil, fmt.Errorf("sim: %w", err)
+	}
+	s.byKey = make(map[routing.EndpointKey]int, len(s.keys))
+	for i, k := range s.keys {
+		s.byKey[k] = i
+		eng.TrustKVEvents(k, cfg.KVEvents)
+		eng.ReportLoad(k, s.workers[i].load(), wcs[i].BlockSize)
+	}
+	if err := s.loop(cfg.Schedule); err != nil {
+		return nil, err
+	}
+	s.abandon()
+	for i, w := range s.workers {
+		s.res.Workers[i] = w.stats
+	}
+	if len(reqs) > 0 && s.lastDone > reqs[0].Arrival {
+		s.res.Span = s.lastDone - reqs[0].Arrival
+	}
+	s.res.Wall = time.Since(wall)
+	return s.res, nil
+}
+
+type simulation struct {
+	ctx     context.Context
+	eng     *routing.Engine
+	vc      *clock.Virtual
+	log     *slog.Logger
+	reqs    []Request
+	workers []*worker
+	keys    []routing.EndpointKey
+	byKey   map[routing.EndpointKey]int
+	events  stepHeap
+	now     time.Duration
+	// open holds the requests not finished, by index (nil when done).
+	open     []*active
+	lastDone time.Duration
+	res      *Result
+}
+
+func (s *simulation) hook(w *worker, key routing.EndpointKey, events bool) {
+	if events {
+		w.onEvent = func(ev kvindex.Event) {
+			if err := s.eng.ApplyKVEvent(key, -1, ev); err != nil {
+				s.res.KVEventErrors++
+				s.log.Debug("kv event refused", "endpoint", key, "err", err)
+			}
+		}
+	}
+	w.onFirst = func(a *active, _ time.Duration) { a.dec.Prefilled() }
+	w.onFinish = s.finished
+}
+
+// finished reports a completed request to the engine and the result.
+func (s *simulation) finished(a *active, at time.Duration) {
+	rr := &s.res.Requests[a.idx]
+	rr.TTFT = a.firstAt - a.req.Arrival
+	rr.E2E = at - a.req.Arrival
+	rr.CachedTokens = a.cached
+	rr.OutputTokens = a.generated
+	s.lastDone = max(s.lastDone, at)
+	s.open[a.idx] = nil
+	a.dec.Done(routing.Outcome{
+		Kind: routing.OutcomeSuccess, Served: a.dec.Endpoint, Status: 200,
+		TTFT: rr.TTFT, Latency: rr.E2E,
+		PromptTokens: a.prompt, CompletionTokens: a.generated, CachedTokens: a.cached,
+	})
+}
+
+// advance moves virtual time (and the engine's clock) to t.
+func (s *simulation) advance(t time.Duration) {
+	if t > s.now {
+		s.now = t
+		s.vc.Advance(epoch.Add(t))
+	}
+}
+
+// after is called after any change to worker i: it reschedules the step
+// end and publishes the worker's load.
+func (s *simulation) after(i int, rescheduled bool) {
+	w := s.workers[i]
+	if rescheduled && w.busy {
+		s.events.push(stepEvent{at: w.end, worker: int32(i), gen: w.gen})
+	}
+	s.eng.ReportLoad(s.keys[i], w.load(), 0)
+}
+
+func (s *simulation) loop(schedule []Change) error {
+	const never = time.Duration(math.MaxInt64)
+	s.open = make([]*active, len(s.reqs))
+	next, change := 0, 0
+	sample := never
+	if len(s.reqs) > 0 {
+		sample = s.reqs[0].Arrival
+	}
+	for iter := 0; ; iter++ {
+		if iter&1023 == 0 {
+			if err := s.ctx.Err(); err != nil {
+				return err
+			}
+		}
+		tArr, tChg, tStep := never, never, never
+		if next < len(s.reqs) {
+			tArr = s.reqs[next].Arrival
+		}
+		if change < len(schedule) {
+			tChg = schedule[change].At
+		}
+		if ev, ok := s.events.peek(); ok {
+			tStep = ev.at
+		}
+		t := min(tArr, tChg, tStep)
+		if t == never {
+			return nil
+		}
+		if sample <= t {
+			s.advance(sample)
+			s.sample(sample)
+			sample += sampleEvery
+			continue
+		}
+		s.advance(t)
+		switch t {
+		case tStep:
+			ev := s.events.pop()
+			w := s.workers[ev.worker]
+			if ev.gen != w.gen || !w.busy {
+				continue
+			}
+			s.after(int(ev.worker), w.stepEnd(t))
+		case tChg:
+			ch := schedule[change]
+			change++
+			s.after(ch.Worker, s.workers[ch.Worker].setSpeed(ch.Speed, t))
+		default:
+			s.arrive(next)
+			next++
+		}
+	}
+}
+
+// arrive routes request i and queues it on the chosen worker.
+func (s *simulation) arrive(i int) {
+	r := &s.reqs[i]
+	rr := &s.res.Requests[i]
+	rr.Worker, rr.Arrival, rr.PromptTokens = -1, r.Arrival, len(r.Tokens)
+	req := &routing.Request{
+		ID: strconv.Itoa(i), Model: routing.ModelName(r.Model), Tenant: r.Tenant,
+		Tokens: r.Tokens, TokenCount: len(r.Tokens), Hints: r.Hints, Arrival: s.vc.Now(),
+	}
+	t0 := time.Now()
+	d, err := s.eng.Pick(s.ctx, req)
+	s.res.DecisionTime += time.Since(t0)
+	if err != nil {
+		rr.Err = "route: " + err.Error()
+		return
+	}
+	s.res.Decisions++
+	wi, ok := s.byKey[d.Endpoint]
+	if !ok {
+		rr.Err = "route: unknown endpoint " + string(d.Endpoint)
+		d.Done(routing.NoUsage(routing.OutcomeRejected))
+		return
+	}
+	rr.Worker = wi
+	w := s.workers[wi]
+	if !w.fits(r) {
+		rr.Err = fmt.Sprintf("request needs %d KV blocks, worker %d has %d", w.blocksFor(r), wi, w.cfg.KVBlocks)
+		d.Done(routing.Outcome{Kind: routing.OutcomeUpstreamError, Served: d.Endpoint, Status: 400, PromptTokens: -1, CompletionTokens: -1, CachedTokens: -1})
+		return
+	}
+	a := &active{idx: i, req: r, dec: d}
+	s.open[i] = a
+	s.after(wi, w.enqueue(a, s.now))
+}
+
+func (s *simulation) sample(at time.Duration) {
+	q := QueueSample{At: at, Waiting: make([]int, len(s.workers)), Running: make([]int, len(s.workers))}
+	for i, w := range s.workers {
+		q.Waiting[i], q.Running[i] = len(w.waiting), len(w.running)
+		s.eng.ReportLoad(s.keys[i], w.load(), 0)
+	}
+	s.res.Queue = append(s.res.Queue, q)
+}
+
+// abandon ends the requests left on stopped workers.
+func (s *simulation) abandon() {
+	for i, a := range s.open {
+		if a == nil {
+			continue
+		}
+		rr := &s.res.Requests[i]
+		rr.Err = "not finished: worker stopped"
+		rr.CachedTokens, rr.OutputTokens = a.cached, a.generated
+		if a.generated > 0 {
+			rr.TTFT = a.firstAt - a.req.Arrival
+		}
+		a.dec.Done(routing.Outcome{Kind: routing.OutcomeAbandoned, Served: a.dec.Endpoint, PromptTokens: -1, CompletionTokens: -1, CachedTokens: -1})
+	}
+}
+
+// stepEvent is a worker's step end; gen tells stale ones apart.
+type stepEvent struct {
+	at     time.Duration
+	worker int32
+	gen    uint64
+}
+
+// stepHeap is a binary min-heap of step ends (ties by worker).
+type stepHeap []stepEvent
+
+func (h stepHeap) less(i, j int) bool {
+	if h[i].at != h[j].at {
+		return h[i].at < h[j].at
+	}
+	return h[i].worker < h[j].worker
+}
+
+func (h stepHeap) peek() (stepEvent, bool) {
+	if len(h) == 0 {
+		return stepEvent{}, false
+	}
+	return h[0], true
+}
+
+func (h *stepHeap) push(e stepEvent) {
+	*h = append(*h, e)
+	a := *h
+	for i := len(a) - 1; i > 0; {
+		p := (i - 1) / 2
+		if !a.less(i, p) {
+			break
+		}
+		a[i], a[p] = a[p], a[i]
+		i = p
+	}
+}
+
+func (h *stepHeap) pop() stepEvent {
+	a := *h
+	top := a[0]
+	n := len(a) - 1
+	a[0] = a[n]
+	a = a[:n]
+	for i := 0; ; {
+		l, m := 2*i+1, i
+		if l < n && a.less(l, m) {
+			m = l
+		}
+		if r := l + 1; r < n && a.less(r, m) {
+			m = r
+		}
+		if m == i {
+			break
+		}
+		a[i], a[m] = a[m], a[i]
+		i = m
+	}
+	*h = a
+	return top
+}
