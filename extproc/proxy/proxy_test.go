@@ -262,7 +262,9 @@ func TestProxyChatStreaming(t *testing.T) {
 		}
 		var ch struct {
 			Choices []struct{ Delta struct{ Content string } }
-			Usage   *struct{ CompletionTokens int `json:"completion_tokens"` }
+			Usage   *struct {
+				CompletionTokens int `json:"completion_tokens"`
+			}
 		}
 		if err := json.Unmarshal([]byte(line), &ch); err != nil {
 			t.Fatal(err)
