@@ -86,5 +86,5 @@ func ParseAzureLine(line []byte, lineNo int) (time.Time, sim.Request, error) {
 		return time.Time{}, sim.Request{}, err
 	}
 	toks := appendTokens(make([]uint32, 0, in), saltUnique, uint64(lineNo), 0, int(in))
-	return at, sim.Request{Tokens: toks, OutputLen: int(out)}, nil
+	return at, sim.Request{Tokens: toks, OutputLen: max(int(out), 1)}, nil
 }

@@ -86,7 +86,7 @@ func ParseMooncakeLine(line []byte, lineNo int) (sim.Request, error) {
 	return sim.Request{
 		Arrival:   time.Duration(ts * float64(time.Millisecond)),
 		Tokens:    toks,
-		OutputLen: out,
+		OutputLen: max(out, 1), // a request generates at least one token
 	}, nil
 }
 

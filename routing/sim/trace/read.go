@@ -171,7 +171,9 @@ func trimSpace(b []byte) []byte {
 	return b
 }
 
-// checkLengths rejects negative and absurd lengths.
+// checkLengths rejects negative and absurd lengths. An output length of 0
+// is accepted and read as 1: the simulator, like vLLM, generates at least
+// one token.
 func checkLengths(in, out int) error {
 	switch {
 	case in <= 0:

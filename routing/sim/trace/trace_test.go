@@ -147,6 +147,9 @@ func TestAzure(t *testing.T) {
 	if reqs[0].Arrival != 0 || reqs[1].Arrival != 2157289500*time.Nanosecond || len(reqs[1].Tokens) != 396 || reqs[1].OutputLen != 109 {
 		t.Errorf("request 1: %v %d %d", reqs[1].Arrival, len(reqs[1].Tokens), reqs[1].OutputLen)
 	}
+	if reqs[2].OutputLen != 1 {
+		t.Errorf("output length 0 read as %d, want 1", reqs[2].OutputLen)
+	}
 	if reqs[0].Tokens[0] == reqs[1].Tokens[0] && reqs[0].Tokens[1] == reqs[1].Tokens[1] {
 		t.Error("requests share tokens")
 	}
@@ -252,7 +255,7 @@ func FuzzMooncakeLine(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if len(req.Tokens) == 0 || len(req.Tokens) > MaxTokens || req.OutputLen < 0 || req.Arrival < 0 {
+		if len(req.Tokens) == 0 || len(req.Tokens) > MaxTokens || req.OutputLen < 1 || req.Arrival < 0 {
 			t.Fatalf("accepted %q as %d tokens, output %d, arrival %v", line, len(req.Tokens), req.OutputLen, req.Arrival)
 		}
 	})
@@ -268,7 +271,7 @@ func FuzzAzureLine(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if len(req.Tokens) == 0 || len(req.Tokens) > MaxTokens || req.OutputLen < 0 {
+		if len(req.Tokens) == 0 || len(req.Tokens) > MaxTokens || req.OutputLen < 1 {
 			t.Fatalf("accepted %q as %d tokens, output %d", line, len(req.Tokens), req.OutputLen)
 		}
 	})

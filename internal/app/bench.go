@@ -1,0 +1,556 @@
+package app
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"image/color"
+	"io"
+	"log/slog"
+	"math"
+	"os"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"text/tabwriter"
+	"time"
+
+	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/plotutil"
+	"gonum.org/v1/plot/vg"
+
+	"github.com/kvbandit/kvbandit/routing/policy"
+	"github.com/kvbandit/kvbandit/routing/sim"
+	"github.com/kvbandit/kvbandit/routing/sim/trace"
+)
+
+// benchPolicies is the default --policy list: every baseline, then ours.
+const benchPolicies = "random,round_robin,least_loaded,weighted,kv,thompson,kvbandit"
+
+// defaultMooncakeRateScale puts the Mooncake conversation trace on 8
+// default workers in the loaded regime: round_robin's TTFT p90 above 2 s
+// (measured, see docs/bench.md).
+const defaultMooncakeRateScale = 4
+
+// Worker model defaults (Dynamo's mocker), for the finite-cache bound.
+const (
+	defaultKVBlocks  = 16384
+	defaultBlockSize = 64
+)
+
+// benchOptions are the flags of `kvbandit bench`.
+type benchOptions struct {
+	trace, format, policies, speeds, jsonOut, plotOut string
+	workers, routerBlock, limit, kvBlocks, blockSize  int
+	rateScale                                         float64
+	seed                                              int64
+	kvEvents, strict                                  bool
+	agentic                                           trace.AgenticConfig
+}
+
+func (o *benchOptions) addFlags(fs *flag.FlagSet) {
+	fs.StringVar(&o.trace, "trace", "", "trace file (required unless --format agentic)")
+	fs.StringVar(&o.format, "format", "mooncake", "trace format: mooncake, azure or agentic (generated, no file)")
+	fs.IntVar(&o.workers, "workers", 8, "simulated workers")
+	fs.StringVar(&o.policies, "policy", benchPolicies, "comma-separated policies to compare (unknown names are skipped with a warning)")
+	fs.StringVar(&o.speeds, "speed-factors", "", "comma-separated speed factor per worker, > 0 (default all 1; 0.5 = half speed)")
+	fs.Float64Var(&o.rateScale, "rate-scale", 0, fmt.Sprintf("divide arrival times by this (0: %d for mooncake, 1 for azure)", defaultMooncakeRateScale))
+	fs.IntVar(&o.routerBlock, "router-block-size", 0, "the router's block size in tokens (0: the workers' block size)")
+	fs.IntVar(&o.kvBlocks, "kv-blocks", defaultKVBlocks, "KV cache blocks per worker")
+	fs.IntVar(&o.blockSize, "block-size", defaultBlockSize, "KV block size of the workers, in tokens")
+	fs.Int64Var(&o.seed, "seed", 1, "seed for the policies and the agentic generator")
+	fs.StringVar(&o.jsonOut, "json", "", "write the results as JSON to this file")
+	fs.StringVar(&o.plotOut, "plot", "", "write the TTFT CDF per policy to this PNG (and per-worker waiting requests of the first policy to <name>-queue.png)")
+	fs.IntVar(&o.limit, "limit", 0, "replay only the first N requests (0: all)")
+	fs.BoolVar(&o.kvEvents, "kv-events", true, "workers publish KV events into the engine's index (false: the router's approximate index only)")
+	fs.BoolVar(&o.strict, "strict", false, "a malformed trace line is fatal (default: skipped, counted and reported)")
+	a := &o.agentic
+	fs.IntVar(&a.Sessions, "sessions", 200, "agentic: number of sessions")
+	fs.Float64Var(&a.SessionRate, "session-rate", 2, "agentic: session arrivals per second (Poisson)")
+	fs.IntVar(&a.Turns, "turns", 6, "agentic: requests per session")
+	fs.DurationVar(&a.ThinkTime, "think-time", 3*time.Second, "agentic: time between two turns' arrivals")
+	fs.IntVar(&a.SystemPromptLen, "system-prompt-len", 2048, "agentic: shared system prompt tokens (negative: none)")
+	fs.IntVar(&a.SystemPrompts, "system-prompts", 4, "agentic: distinct system prompts")
+	fs.IntVar(&a.Tenants, "tenants", 1, "agentic: tenants (sessions spread round-robin)")
+	fs.IntVar(&a.InputLen, "input-len", 512, "agentic: mean new user tokens per turn")
+	fs.IntVar(&a.OutputLen, "output-len", 256, "agentic: mean output tokens per turn")
+}
+
+// validate checks the flags and returns the speed factors.
+func (o *benchOptions) validate() ([]float64, error) {
+	if o.workers <= 0 {
+		return nil, fmt.Errorf("--workers %d: need at least one worker", o.workers)
+	}
+	switch o.format {
+	case "mooncake", "azure":
+		if o.trace == "" {
+			return nil, fmt.Errorf("--trace is required with --format %s", o.format)
+		}
+	case "agentic":
+	default:
+		return nil, fmt.Errorf("--format %q: want mooncake, azure or agentic", o.format)
+	}
+	if o.rateScale < 0 || math.IsNaN(o.rateScale) || math.IsInf(o.rateScale, 0) {
+		return nil, fmt.Errorf("--rate-scale %v: must be > 0", o.rateScale)
+	}
+	if o.routerBlock < 0 || o.kvBlocks <= 0 || o.blockSize <= 0 || o.limit < 0 {
+		return nil, errors.New("--router-block-size and --limit must be >= 0, --kv-blocks and --block-size > 0")
+	}
+	speeds := make([]float64, o.workers)
+	for i := range speeds {
+		speeds[i] = 1
+	}
+	if o.speeds != "" {
+		parts := strings.Split(o.speeds, ",")
+		if len(parts) != o.workers {
+			return nil, fmt.Errorf("--speed-factors has %d values for %d workers", len(parts), o.workers)
+		}
+		for i, p := range parts {
+			f, err := strconv.ParseFloat(strings.TrimSpace(p), 64)
+			if err != nil || !(f > 0) || math.IsInf(f, 0) {
+				return nil, fmt.Errorf("--speed-factors: value %d (%q) must be a number > 0", i+1, p)
+			}
+			speeds[i] = f
+		}
+	}
+	return speeds, nil
+}
+
+// runBench is `kvbandit bench`: replay a trace on a simulated fleet under
+// each policy and compare.
+func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var o benchOptions
+	o.addFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("%w: bench takes no arguments, got %q", ErrUsage, fs.Args())
+	}
+	speeds, err := o.validate()
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	names := benchPolicyNames(o.policies, stderr)
+	if len(names) == 0 {
+		return fmt.Errorf("%w: --policy %q names no known policy (known: %s)", ErrUsage, o.policies, strings.Join(policy.Builtin().Names(), ", "))
+	}
+	reqs, desc, err := o.load(stderr)
+	if err != nil {
+		return err
+	}
+	workers := make([]sim.WorkerConfig, o.workers)
+	for i := range workers {
+		workers[i] = sim.WorkerConfig{KVBlocks: o.kvBlocks, BlockSize: o.blockSize, Speed: speeds[i]}
+	}
+	bounds := trace.ComputeBounds(reqs, o.blockSize, o.workers*o.kvBlocks)
+	logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	results, err := runPolicies(ctx, names, func(name string) sim.Config {
+		return sim.Config{Workers: workers, Policy: name, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger}
+	}, reqs)
+	if err != nil {
+		return err
+	}
+	rep := benchReport{
+		Trace: desc, Format: o.format, Requests: len(reqs), Workers: o.workers, SpeedFactors: speeds,
+		RateScale: o.effectiveRateScale(), KVBlocks: o.kvBlocks, BlockSize: o.blockSize, RouterBlockSize: o.routerBlock,
+		KVEvents: o.kvEvents, Seed: o.seed,
+		Bounds: benchBounds{Infinite: bounds.Infinite, Finite: bounds.Finite, FiniteCapacityTokens: int64(bounds.CapacityBlocks) * int64(bounds.BlockSize), PromptTokens: bounds.PromptTokens},
+	}
+	for _, r := range results {
+		rep.Policies = append(rep.Policies, summarize(r, reqs, bounds))
+	}
+	rep.print(stdout)
+	if o.jsonOut != "" {
+		b, err := json.MarshalIndent(rep, "", "  ")
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(o.jsonOut, append(b, '\n'), 0o644); err != nil {
+			return err
+		}
+	}
+	if o.plotOut != "" {
+		if err := plotTTFT(o.plotOut, results); err != nil {
+			return fmt.Errorf("plot: %w", err)
+		}
+		if err := plotQueue(queuePlotPath(o.plotOut), results[0]); err != nil {
+			return fmt.Errorf("plot: %w", err)
+		}
+	}
+	return nil
+}
+
+// benchPolicyNames splits the --policy list and drops unknown names with a
+// warning.
+func benchPolicyNames(list string, stderr io.Writer) []string {
+	known := policy.Builtin().Names()
+	var names []string
+	for _, n := range strings.Split(list, ",") {
+		n = strings.TrimSpace(n)
+		switch {
+		case n == "":
+		case !slices.Contains(known, n):
+			fmt.Fprintf(stderr, "bench: skipping policy %q: not registered (known: %s)\n", n, strings.Join(known, ", "))
+		case !slices.Contains(names, n):
+			names = append(names, n)
+		}
+	}
+	return names
+}
+
+func (o *benchOptions) effectiveRateScale() float64 {
+	switch {
+	case o.format == "agentic":
+		return 1
+	case o.rateScale > 0:
+		return o.rateScale
+	case o.format == "mooncake":
+		return defaultMooncakeRateScale
+	}
+	return 1
+}
+
+// load reads or generates the requests and describes where they came from.
+func (o *benchOptions) load(stderr io.Writer) ([]sim.Request, string, error) {
+	if o.format == "agentic" {
+		cfg := o.agentic
+		cfg.Seed = o.seed
+		reqs, err := trace.Agentic(cfg)
+		if err != nil {
+			return nil, "", fmt.Errorf("%w: %w", ErrUsage, err)
+		}
+		if o.limit > 0 && len(reqs) > o.limit {
+			reqs = reqs[:o.limit]
+		}
+		c := cfg.Defaults()
+		return reqs, fmt.Sprintf("agentic: %d sessions × %d turns at %g sessions/s, think %v, %d system prompts of %d tokens", c.Sessions, c.Turns, c.SessionRate, c.ThinkTime, c.SystemPrompts, c.SystemPromptLen), nil
+	}
+	f, err := os.Open(o.trace)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, "", fmt.Errorf("%w: --trace: %w", ErrUsage, err)
+		}
+		return nil, "", err
+	}
+	defer f.Close()
+	opt := trace.Options{Strict: o.strict, RateScale: o.effectiveRateScale(), Limit: o.limit}
+	read := trace.ReadMooncake
+	if o.format == "azure" {
+		read = trace.ReadAzure
+	}
+	reqs, rep, err := read(f, opt)
+	if err != nil {
+		return nil, "", fmt.Errorf("%s: %w", o.trace, err)
+	}
+	if rep.Skipped > 0 {
+		fmt.Fprintf(stderr, "bench: %s: skipped %d of %d lines:\n", o.trace, rep.Skipped, rep.Lines)
+		for _, e := range rep.Errors {
+			fmt.Fprintf(stderr, "  %v\n", e)
+		}
+		if rep.Skipped > len(rep.Errors) {
+			fmt.Fprintf(stderr, "  ... and %d more\n", rep.Skipped-len(rep.Errors))
+		}
+	}
+	return reqs, o.trace, nil
+}
+
+// runPolicies runs one simulation per policy, up to GOMAXPROCS at once,
+// each with its own engine. Results keep the order of names.
+func runPolicies(ctx context.Context, names []string, config func(string) sim.Config, reqs []sim.Request) ([]*sim.Result, error) {
+	results := make([]*sim.Result, len(names))
+	errs := make([]error, len(names))
+	sem := make(chan struct{}, max(1, runtime.GOMAXPROCS(0)))
+	var wg sync.WaitGroup
+	for i, name := range names {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			results[i], errs[i] = sim.Run(ctx, config(name), reqs)
+			if errs[i] != nil {
+				errs[i] = fmt.Errorf("policy %s: %w", name, errs[i])
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	return results, nil
+}
+
+// benchReport is the --json output.
+type benchReport struct {
+	Trace           string          `json:"trace"`
+	Format          string          `json:"format"`
+	Requests        int             `json:"requests"`
+	Workers         int             `json:"workers"`
+	SpeedFactors    []float64       `json:"speed_factors"`
+	RateScale       float64         `json:"rate_scale"`
+	KVBlocks        int             `json:"kv_blocks_per_worker"`
+	BlockSize       int             `json:"block_size"`
+	RouterBlockSize int             `json:"router_block_size"`
+	KVEvents        bool            `json:"kv_events"`
+	Seed            int64           `json:"seed"`
+	Bounds          benchBounds     `json:"bounds"`
+	Policies        []policySummary `json:"policies"`
+}
+
+type benchBounds struct {
+	Infinite             float64 `json:"infinite_cache_hit_rate"`
+	Finite               float64 `json:"finite_cache_hit_rate"`
+	FiniteCapacityTokens int64   `json:"finite_cache_tokens"`
+	PromptTokens         int64   `json:"prompt_tokens"`
+}
+
+// policySummary is one policy's row; durations are in seconds.
+type policySummary struct {
+	Policy          string  `json:"policy"`
+	Served          int     `json:"served"`
+	Failed          int     `json:"failed"`
+	TTFTP50         float64 `json:"ttft_p50_s"`
+	TTFTP90         float64 `json:"ttft_p90_s"`
+	TTFTP99         float64 `json:"ttft_p99_s"`
+	E2EP50          float64 `json:"e2e_p50_s"`
+	E2EP99          float64 `json:"e2e_p99_s"`
+	OutputTokensSec float64 `json:"output_tokens_per_s"`
+	HitRate         float64 `json:"kv_hit_rate"`
+	OfFinite        float64 `json:"hit_rate_of_finite_bound"`
+	Imbalance       float64 `json:"load_imbalance"`
+	DecisionsSec    float64 `json:"decisions_per_s"`
+	// Affinity is the share of requests with a PrefixID hint served by
+	// their session's most used worker (0 when no request has one).
+	Affinity          float64   `json:"session_affinity,omitempty"`
+	SpanSec           float64   `json:"span_s"`
+	WallSec           float64   `json:"wall_s"`
+	RequestsPerWorker []int     `json:"requests_per_worker"`
+	BusyPerWorker     []float64 `json:"busy_s_per_worker"`
+}
+
+func summarize(r *sim.Result, reqs []sim.Request, b trace.Bounds) policySummary {
+	s := policySummary{Policy: r.Policy, SpanSec: r.Span.Seconds(), WallSec: r.Wall.Seconds()}
+	var ttft, e2e []time.Duration
+	var out int
+	for _, q := range r.Requests {
+		if q.Err != "" {
+			s.Failed++
+			continue
+		}
+		s.Served++
+		ttft = append(ttft, q.TTFT)
+		e2e = append(e2e, q.E2E)
+		out += q.OutputTokens
+	}
+	slices.Sort(ttft)
+	slices.Sort(e2e)
+	s.TTFTP50, s.TTFTP90, s.TTFTP99 = pct(ttft, 50), pct(ttft, 90), pct(ttft, 99)
+	s.E2EP50, s.E2EP99 = pct(e2e, 50), pct(e2e, 99)
+	if r.Span > 0 {
+		s.OutputTokensSec = float64(out) / r.Span.Seconds()
+	}
+	s.HitRate = r.HitRate()
+	if b.Finite > 0 {
+		s.OfFinite = s.HitRate / b.Finite
+	}
+	var sum, most time.Duration
+	for _, w := range r.Workers {
+		s.RequestsPerWorker = append(s.RequestsPerWorker, w.Requests)
+		s.BusyPerWorker = append(s.BusyPerWorker, w.Busy.Seconds())
+		sum += w.Busy
+		most = max(most, w.Busy)
+	}
+	if sum > 0 {
+		s.Imbalance = float64(most) / (float64(sum) / float64(len(r.Workers)))
+	}
+	if r.DecisionTime > 0 {
+		s.DecisionsSec = float64(r.Decisions) / r.DecisionTime.Seconds()
+	}
+	s.Affinity = affinity(r, reqs)
+	return s
+}
+
+// affinity is the share of hinted requests served by their prefix group's
+// most used worker.
+func affinity(r *sim.Result, reqs []sim.Request) float64 {
+	counts := map[string]map[int]int{}
+	for i, q := range r.Requests {
+		if i >= len(reqs) || q.Err != "" || reqs[i].Hints.PrefixID == "" {
+			continue
+		}
+		id := reqs[i].Hints.PrefixID
+		if counts[id] == nil {
+			counts[id] = map[int]int{}
+		}
+		counts[id][q.Worker]++
+	}
+	var top, all int
+	for _, byWorker := range counts {
+		m := 0
+		for _, n := range byWorker {
+			all += n
+			m = max(m, n)
+		}
+		top += m
+	}
+	if all == 0 {
+		return 0
+	}
+	return float64(top) / float64(all)
+}
+
+// pct is the nearest-rank percentile of sorted, in seconds.
+func pct(sorted []time.Duration, p float64) float64 {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(math.Ceil(p/100*float64(len(sorted)))) - 1
+	return sorted[max(0, min(i, len(sorted)-1))].Seconds()
+}
+
+func (rep *benchReport) print(w io.Writer) {
+	fmt.Fprintf(w, "trace %s (%s): %d requests, rate scale %g; %d workers (speed %s), %d KV blocks of %d tokens each\n",
+		rep.Trace, rep.Format, rep.Requests, rep.RateScale, rep.Workers, fmtSpeeds(rep.SpeedFactors), rep.KVBlocks, rep.BlockSize)
+	fmt.Fprintf(w, "KV hit-rate bounds: infinite cache %.1f%%, finite cache (one LRU of %d tokens) %.1f%%\n\n",
+		100*rep.Bounds.Infinite, rep.Bounds.FiniteCapacityTokens, 100*rep.Bounds.Finite)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	hinted := false
+	for _, p := range rep.Policies {
+		hinted = hinted || p.Affinity > 0
+	}
+	head := "policy\tTTFT p50\tp90\tp99\tE2E p50\tp99\tout tok/s\tKV hit\tof finite\timbalance\tdecisions/s\tfailed\t"
+	if hinted {
+		head += "affinity\t"
+	}
+	fmt.Fprintln(tw, head)
+	for _, p := range rep.Policies {
+		line := fmt.Sprintf("%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t%.1f%%\t%.0f%%\t%.2f\t%.0f\t%d\t",
+			p.Policy, fmtSec(p.TTFTP50), fmtSec(p.TTFTP90), fmtSec(p.TTFTP99), fmtSec(p.E2EP50), fmtSec(p.E2EP99),
+			p.OutputTokensSec, 100*p.HitRate, 100*p.OfFinite, p.Imbalance, p.DecisionsSec, p.Failed)
+		if hinted {
+			line += fmt.Sprintf("%.1f%%\t", 100*p.Affinity)
+		}
+		fmt.Fprintln(tw, line)
+	}
+	tw.Flush()
+}
+
+func fmtSec(s float64) string {
+	if s < 1 {
+		return fmt.Sprintf("%.0fms", s*1000)
+	}
+	return fmt.Sprintf("%.2fs", s)
+}
+
+func fmtSpeeds(f []float64) string {
+	if !slices.ContainsFunc(f, func(v float64) bool { return v != 1 }) {
+		return "all 1"
+	}
+	s := make([]string, len(f))
+	for i, v := range f {
+		s[i] = strconv.FormatFloat(v, 'g', -1, 64)
+	}
+	return strings.Join(s, ",")
+}
+
+// plotTTFT writes the TTFT CDF of every policy (log-scale seconds).
+func plotTTFT(path string, results []*sim.Result) error {
+	p := plot.New()
+	p.Title.Text = "TTFT CDF per policy"
+	p.X.Label.Text = "TTFT (s, log scale)"
+	p.Y.Label.Text = "fraction of requests"
+	p.X.Scale = plot.LogScale{}
+	p.X.Tick.Marker = plot.LogTicks{Prec: -1}
+	p.Y.Min, p.Y.Max = 0, 1
+	p.Legend.Top = false
+	p.Legend.Left = false
+	var lines []any
+	for _, r := range results {
+		var ttft []float64
+		for _, q := range r.Requests {
+			if q.Err == "" {
+				ttft = append(ttft, max(q.TTFT.Seconds(), 1e-4))
+			}
+		}
+		if len(ttft) == 0 {
+			continue
+		}
+		slices.Sort(ttft)
+		step := max(1, len(ttft)/2000)
+		var xy plotter.XYs
+		for i := 0; i < len(ttft); i += step {
+			xy = append(xy, plotter.XY{X: ttft[i], Y: float64(i+1) / float64(len(ttft))})
+		}
+		xy = append(xy, plotter.XY{X: ttft[len(ttft)-1], Y: 1})
+		lines = append(lines, r.Policy, xy)
+	}
+	if err := addLines(p, lines); err != nil {
+		return err
+	}
+	return p.Save(8*vg.Inch, 5*vg.Inch, path)
+}
+
+// plotQueue writes the waiting requests of every worker over time.
+func plotQueue(path string, r *sim.Result) error {
+	p := plot.New()
+	p.Title.Text = "waiting requests per worker (" + r.Policy + ")"
+	p.X.Label.Text = "virtual time (s)"
+	p.Y.Label.Text = "waiting requests"
+	var lines []any
+	for w := range r.Workers {
+		var xy plotter.XYs
+		for _, q := range r.Queue {
+			if w < len(q.Waiting) {
+				xy = append(xy, plotter.XY{X: q.At.Seconds(), Y: float64(q.Waiting[w])})
+			}
+		}
+		if len(xy) > 0 {
+			lines = append(lines, fmt.Sprintf("worker %d", w), xy)
+		}
+	}
+	if err := addLines(p, lines); err != nil {
+		return err
+	}
+	return p.Save(10*vg.Inch, 5*vg.Inch, path)
+}
+
+// addLines adds named lines with distinct colours and solid strokes.
+func addLines(p *plot.Plot, nameXY []any) error {
+	for i := 0; i+1 < len(nameXY); i += 2 {
+		l, err := plotter.NewLine(nameXY[i+1].(plotter.XYs))
+		if err != nil {
+			return err
+		}
+		l.Color = plotColor(i / 2)
+		l.Width = vg.Points(1.5)
+		p.Add(l)
+		p.Legend.Add(nameXY[i].(string), l)
+	}
+	return nil
+}
+
+func plotColor(i int) color.Color {
+	extra := []color.Color{color.RGBA{R: 0x80, G: 0x80, B: 0x80, A: 0xff}, color.RGBA{R: 0x99, G: 0x66, B: 0x33, A: 0xff}}
+	if i < 7 {
+		return plotutil.Color(i)
+	}
+	return extra[(i-7)%len(extra)]
+}
+
+// queuePlotPath is OUT-queue.png for --plot OUT.png.
+func queuePlotPath(out string) string {
+	ext := filepath.Ext(out)
+	return strings.TrimSuffix(out, ext) + "-queue" + ext
+}
