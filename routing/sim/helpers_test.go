@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"testing"
 	"time"
 )
@@ -90,4 +91,13 @@ func loadMooncake(tb testing.TB, path string, limit int) []Request {
 		tb.Fatal(err)
 	}
 	return reqs
+}
+
+// pct is the q-quantile of ds (sorted in place).
+func pct(ds []time.Duration, q float64) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	slices.Sort(ds)
+	return ds[min(int(q*float64(len(ds))), len(ds)-1)]
 }
