@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -124,7 +125,7 @@ func newFixture(t testing.TB, o options) *fixture {
 	if c, ok := pol.(interface{ Close() error }); ok {
 		t.Cleanup(func() { c.Close() })
 	}
-	f.engine = routing.MustEngine(pol, routing.Options{}, routing.Deps{Rand: rnd, OnDone: f.out.onDone, OnDecision: f.out.onDecision})
+	f.engine = routing.MustEngine(pol, routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler), Rand: rnd, OnDone: f.out.onDone, OnDecision: f.out.onDecision})
 	t.Cleanup(f.engine.Close)
 	if len(eps) > 0 {
 		if err := f.engine.Update(routing.EndpointSet{Source: "test", Endpoints: eps}); err != nil {
