@@ -297,6 +297,10 @@ func (p *Proxy) build(ctx context.Context, r *http.Request, kind openai.Kind, bo
 func (p *Proxy) forward(w http.ResponseWriter, r *http.Request) {
 	kind := openai.KindOf(r.URL.Path)
 	path := pathClass(kind, r.URL.Path)
+	if p.stopCtx.Err() != nil {
+		p.fail(w, path, errStopped)
+		return
+	}
 	// ctx ends when the client goes away or Stop cuts the request.
 	ctx, cancel := context.WithCancelCause(r.Context())
 	defer cancel(nil)
@@ -317,9 +321,12 @@ func (p *Proxy) forward(w http.ResponseWriter, r *http.Request) {
 	d, err := p.engine.Pick(pctx, &req)
 	cancelPick()
 	if err != nil {
-		if ctx.Err() != nil && !errors.Is(context.Cause(ctx), errStopped) {
-			p.metrics.request(path, 0) // the client went away while queued
-			return
+		if ctx.Err() != nil {
+			if p.stopCtx.Err() == nil {
+				p.metrics.request(path, 0) // the client went away while queued
+				return
+			}
+			err = errStopped
 		}
 		p.fail(w, path, err)
 		return
@@ -462,7 +469,7 @@ func (x *exchange) run(w http.ResponseWriter, r *http.Request, body []byte) {
 // cancelKind says how a request whose context ended is charged: abandoned
 // when Stop cut it, cancelled when the client went away.
 func (x *exchange) cancelKind() routing.OutcomeKind {
-	if errors.Is(context.Cause(x.ctx), errStopped) {
+	if errors.Is(context.Cause(x.ctx), errStopped) || x.p.stopCtx.Err() != nil {
 		return routing.OutcomeAbandoned
 	}
 	return routing.OutcomeCancelled

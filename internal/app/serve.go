@@ -26,6 +26,7 @@ import (
 	"google.golang.org/grpc/reflection"
 
 	"github.com/kvbandit/kvbandit/extproc"
+	"github.com/kvbandit/kvbandit/extproc/proxy"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/eds"
@@ -46,6 +47,7 @@ type ServeOptions struct {
 	GRPCAddr           string
 	HealthAddr         string
 	MetricsAddr        string
+	HTTPAddr           string
 	Endpoints          string
 	EndpointsFile      string
 	EDSAddr            string
@@ -87,6 +89,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.GRPCAddr, "grpc-addr", ":9002", "ext_proc gRPC listen address")
 	fs.StringVar(&o.HealthAddr, "health-addr", ":9003", "gRPC health listen address (services liveness, readiness, "+healthExtProc+")")
 	fs.StringVar(&o.MetricsAddr, "metrics-addr", ":9090", "Prometheus /metrics and /debug admin listen address; empty disables")
+	fs.StringVar(&o.HTTPAddr, "http-addr", "", "standalone OpenAI-compatible proxy (POST /v1/chat/completions, /v1/completions, other /v1/* passed through, POST /v1/route) routing in-process; off when empty")
 	fs.StringVar(&o.Endpoints, "endpoints", "", "static workers \"ip:port[,ip:port...]\" (the same list as the Envoy cluster's hosts)")
 	fs.StringVar(&o.EndpointsFile, "endpoints-file", "", "YAML/JSON file of endpoint records (address, models, engine, block_size, kv_events, ...), reloaded on change")
 	fs.StringVar(&o.EDSAddr, "eds-addr", "", "serve the endpoint set to Envoy over xDS EDS on this address (envoy/eds.yaml; e.g. "+eds.DefaultAddr+"); a new endpoint is picked only after the connected Envoys acknowledged it")
@@ -273,6 +276,9 @@ type Listeners struct {
 	GRPC, Health, Metrics net.Listener
 	// EDS, when set, serves xDS EDS (as --eds-addr does).
 	EDS net.Listener
+	// HTTP, when set, serves the standalone OpenAI proxy (as --http-addr
+	// does).
+	HTTP net.Listener
 	// Ready, when set, receives the bound addresses once serving.
 	Ready func(grpc, health, metrics string)
 }
@@ -383,6 +389,16 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		TenantHeader:       o.TenantHeader,
 		TokenizerTimeout:   secs(fileCfg.Tokenizer.TimeoutSecs),
 	}, extproc.Deps{Picker: engine, Tokenizer: tok, Logger: log, Registry: reg})
+	var px *proxy.Proxy
+	if ls.HTTP != nil || o.HTTPAddr != "" {
+		px = proxy.New(proxy.Config{
+			MaxBodyBytes:     o.MaxBodyBytes,
+			DecisionTimeout:  o.DecisionTimeout,
+			TenantHeader:     o.TenantHeader,
+			TokenizerTimeout: secs(fileCfg.Tokenizer.TimeoutSecs),
+		}, proxy.Deps{Engine: engine, Tokenizer: tok, Logger: log, Registry: reg, Clock: engine.Clock()})
+		defer px.CloseIdleConnections()
+	}
 
 	// BUFFERED mode sends the whole body in one message: the receive limit
 	// must hold the largest body plus the message framing.
@@ -456,6 +472,20 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		})
 		hsrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	}
+	var pl net.Listener
+	var psrv *http.Server
+	if px != nil {
+		if pl, err = listen(ls.HTTP, o.HTTPAddr); err != nil {
+			gl.Close()
+			hl.Close()
+			if ml != nil {
+				ml.Close()
+			}
+			return fmt.Errorf("--http-addr: %w", err)
+		}
+		// No read or write timeout: a long SSE generation must not be cut.
+		psrv = &http.Server{Handler: px, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
+	}
 
 	if o.ScrapeInterval > 0 {
 		sc := scrape.New(scrape.Config{Interval: o.ScrapeInterval, Timeout: o.ScrapeTimeout}, scrape.Deps{
@@ -475,6 +505,9 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 			if ml != nil {
 				ml.Close()
 			}
+			if pl != nil {
+				pl.Close()
+			}
 			return fmt.Errorf("--eds-addr: %w", err)
 		}
 		xgs = grpc.NewServer(grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}))
@@ -487,7 +520,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		}()
 		log.Info("EDS serving", "addr", xl.Addr().String())
 	}
-	errc := make(chan error, 4)
+	errc := make(chan error, 5)
 	bg.Add(2)
 	go func() { defer bg.Done(); hub.Run(bgCtx, 0) }()
 	go func() {
@@ -505,6 +538,15 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 			}
 		}()
 	}
+	paddr := ""
+	if psrv != nil {
+		paddr = pl.Addr().String()
+		go func() {
+			if err := psrv.Serve(pl); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				errc <- fmt.Errorf("http proxy: %w", err)
+			}
+		}()
+	}
 	// Ready once discovery has published a set, and from then on through
 	// discovery outages (the last known set keeps serving).
 	var stopping atomic.Bool
@@ -517,7 +559,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	if ml != nil {
 		maddr = ml.Addr().String()
 	}
-	log.Info("kvbandit serving", "version", Version(), "grpc", gl.Addr().String(), "health", hl.Addr().String(), "metrics", maddr, "policy", pol.Name(), "endpoints", len(engine.Endpoints()))
+	log.Info("kvbandit serving", "version", Version(), "grpc", gl.Addr().String(), "health", hl.Addr().String(), "metrics", maddr, "http", paddr, "policy", pol.Name(), "endpoints", len(engine.Endpoints()))
 	if ls.Ready != nil {
 		ls.Ready(gl.Addr().String(), hl.Addr().String(), maddr)
 	}
@@ -537,6 +579,29 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	stopping.Store(true)
 	setReady(false)
 	hs.Shutdown()
+	// The standalone proxy drains alongside: it stops accepting at once,
+	// proxied requests get DrainTimeout to finish, then the ones left are
+	// cut (their decisions end as abandoned).
+	proxyDone := make(chan struct{})
+	go func() {
+		defer close(proxyDone)
+		if psrv == nil {
+			return
+		}
+		pctx, cancel := context.WithTimeout(context.Background(), o.DrainTimeout)
+		defer cancel()
+		if err := psrv.Shutdown(pctx); err != nil {
+			log.Warn("drain deadline reached; cutting proxied requests", "requests", px.InFlight())
+			px.Stop()
+			psrv.Close()
+		}
+		wctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := px.Wait(wctx); err != nil {
+			log.Warn("proxied requests still running after stop", "requests", px.InFlight())
+		}
+		px.Stop()
+	}()
 	drainCtx, cancel := context.WithTimeout(context.Background(), o.DrainTimeout)
 	if err := ep.Wait(drainCtx); err != nil {
 		log.Warn("drain deadline reached; refusing undecided streams", "streams", ep.Streams())
@@ -563,6 +628,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		edsSrv.Close()
 		xgs.Stop()
 	}
+	<-proxyDone
 	if hsrv != nil {
 		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		hsrv.Shutdown(sctx)
