@@ -120,12 +120,12 @@ func TestSlowWorkerSchedule(t *testing.T) {
 }
 
 func TestKVPolicyBeatsRoundRobinOnSharedPrefixes(t *testing.T) {
-	// 16 system prompts of 8k tokens on 8 workers whose caches hold a few
-	// of them each: affinity pays.
-	reqs := synthetic(1500, 16, 8192, 256, 15, 11)
+	// 16 system prompts of 4k tokens on 8 workers whose caches hold a
+	// few of them each: affinity pays.
+	reqs := synthetic(600, 16, 4096, 128, 15, 11)
 	workers := make([]WorkerConfig, 8)
 	for i := range workers {
-		workers[i].KVBlocks = 600
+		workers[i].KVBlocks = 300
 	}
 	hit := map[string]float64{}
 	for _, p := range []string{"round_robin", "kv"} {
