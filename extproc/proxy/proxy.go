@@ -421,7 +421,9 @@ func (x *exchange) run(w http.ResponseWriter, r *http.Request, body []byte) {
 	w.WriteHeader(resp.StatusCode)
 	x.reply = resp.StatusCode
 	rc := http.NewResponseController(w)
-	_ = rc.Flush() // headers out now: an SSE client sees the stream open
+	if x.sse {
+		_ = rc.Flush() // headers out now: an SSE client sees the stream open
+	}
 
 	bp := p.bufs.Get().(*[]byte)
 	defer p.bufs.Put(bp)
