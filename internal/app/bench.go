@@ -36,7 +36,7 @@ const benchPolicies = "random,round_robin,least_loaded,weighted,kv,thompson,kvba
 // defaultMooncakeRateScale puts the Mooncake conversation trace on 8
 // default workers in the loaded regime: round_robin's TTFT p90 above 2 s
 // (measured, see docs/bench.md).
-const defaultMooncakeRateScale = 4
+const defaultMooncakeRateScale = 6
 
 // Worker model defaults (Dynamo's mocker), for the finite-cache bound.
 const (
@@ -71,14 +71,14 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.BoolVar(&o.kvEvents, "kv-events", true, "workers publish KV events into the engine's index (false: the router's approximate index only)")
 	fs.BoolVar(&o.strict, "strict", false, "a malformed trace line is fatal (default: skipped, counted and reported)")
 	a := &o.agentic
-	fs.IntVar(&a.Sessions, "sessions", 200, "agentic: number of sessions")
-	fs.Float64Var(&a.SessionRate, "session-rate", 2, "agentic: session arrivals per second (Poisson)")
-	fs.IntVar(&a.Turns, "turns", 6, "agentic: requests per session")
-	fs.DurationVar(&a.ThinkTime, "think-time", 3*time.Second, "agentic: time between two turns' arrivals")
+	fs.IntVar(&a.Sessions, "sessions", 800, "agentic: number of sessions")
+	fs.Float64Var(&a.SessionRate, "session-rate", 8, "agentic: session arrivals per second (Poisson)")
+	fs.IntVar(&a.Turns, "turns", 8, "agentic: requests per session")
+	fs.DurationVar(&a.ThinkTime, "think-time", 10*time.Second, "agentic: time between two turns' arrivals")
 	fs.IntVar(&a.SystemPromptLen, "system-prompt-len", 2048, "agentic: shared system prompt tokens (negative: none)")
 	fs.IntVar(&a.SystemPrompts, "system-prompts", 4, "agentic: distinct system prompts")
 	fs.IntVar(&a.Tenants, "tenants", 1, "agentic: tenants (sessions spread round-robin)")
-	fs.IntVar(&a.InputLen, "input-len", 512, "agentic: mean new user tokens per turn")
+	fs.IntVar(&a.InputLen, "input-len", 1024, "agentic: mean new user tokens per turn")
 	fs.IntVar(&a.OutputLen, "output-len", 256, "agentic: mean output tokens per turn")
 }
 

@@ -16,14 +16,14 @@ import (
 // history (system prompt, then every earlier user message and answer) plus
 // a new user message.
 type AgenticConfig struct {
-	// Sessions is the number of sessions (default 200).
+	// Sessions is the number of sessions (default 800).
 	Sessions int
-	// SessionRate is the mean session arrival rate per second (default 2).
+	// SessionRate is the mean session arrival rate per second (default 8).
 	SessionRate float64
-	// Turns is the number of requests per session (default 6).
+	// Turns is the number of requests per session (default 8).
 	Turns int
 	// ThinkTime separates the arrivals of two turns of a session
-	// (default 3s). The simulator does not feed completions back into the
+	// (default 10s). The simulator does not feed completions back into the
 	// generator, so the think time is counted from the previous turn's
 	// arrival and should exceed its expected latency.
 	ThinkTime time.Duration
@@ -37,7 +37,7 @@ type AgenticConfig struct {
 	// (default 1: no tenant).
 	Tenants int
 	// InputLen is the mean length of a turn's new user tokens (default
-	// 512); OutputLen the mean answer length (default 256). Each turn
+	// 1024); OutputLen the mean answer length (default 256). Each turn
 	// draws uniformly in [mean/2, 3·mean/2].
 	InputLen, OutputLen int
 	// Seed makes the workload repeatable.
@@ -49,16 +49,16 @@ type AgenticConfig struct {
 // Defaults returns c with zero fields set to their defaults.
 func (c AgenticConfig) Defaults() AgenticConfig {
 	if c.Sessions == 0 {
-		c.Sessions = 200
+		c.Sessions = 800
 	}
 	if c.SessionRate == 0 {
-		c.SessionRate = 2
+		c.SessionRate = 8
 	}
 	if c.Turns == 0 {
-		c.Turns = 6
+		c.Turns = 8
 	}
 	if c.ThinkTime == 0 {
-		c.ThinkTime = 3 * time.Second
+		c.ThinkTime = 10 * time.Second
 	}
 	switch {
 	case c.SystemPromptLen == 0:
@@ -73,7 +73,7 @@ func (c AgenticConfig) Defaults() AgenticConfig {
 		c.Tenants = 1
 	}
 	if c.InputLen == 0 {
-		c.InputLen = 512
+		c.InputLen = 1024
 	}
 	if c.OutputLen == 0 {
 		c.OutputLen = 256

@@ -211,7 +211,7 @@ func TestAgentic(t *testing.T) {
 		if i > 0 && r.Arrival < reqs[i-1].Arrival {
 			t.Fatal("not sorted by arrival")
 		}
-		if r.Hints.TotalRequests != 4 || r.Hints.OSLTokens != r.OutputLen || r.Hints.IATMillis != 3000 {
+		if r.Hints.TotalRequests != 4 || r.Hints.OSLTokens != r.OutputLen || r.Hints.IATMillis != 10000 {
 			t.Fatalf("hints %+v", r.Hints)
 		}
 		bySession[r.Hints.PrefixID] = append(bySession[r.Hints.PrefixID], i)
@@ -226,7 +226,7 @@ func TestAgentic(t *testing.T) {
 			if !slices.Equal(prev.Tokens, cur.Tokens[:len(prev.Tokens)]) || grow < 25 || grow > 75 {
 				t.Fatalf("session %s turn %d does not extend the history (grew %d)", id, k, grow)
 			}
-			if cur.Arrival-prev.Arrival != 3*time.Second || cur.Tenant != prev.Tenant {
+			if cur.Arrival-prev.Arrival != 10*time.Second || cur.Tenant != prev.Tenant {
 				t.Fatalf("session %s turn %d: gap %v tenant %q/%q", id, k, cur.Arrival-prev.Arrival, prev.Tenant, cur.Tenant)
 			}
 		}

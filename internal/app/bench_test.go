@@ -1,0 +1,189 @@
+package app
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// writeMooncake writes a small Mooncake trace: n requests, every one
+// sharing a first block, pairs sharing a second one.
+func writeMooncake(t *testing.T, n int, extra ...string) string {
+	t.Helper()
+	var b strings.Builder
+	for i := range n {
+		fmt.Fprintf(&b, `{"timestamp": %d, "input_length": %d, "output_length": %d, "hash_ids": [0, %d, %d]}`+"\n",
+			i*50, 1100+i%7*100, 20+i%5, 1+i/2, 1000+i)
+	}
+	for _, e := range extra {
+		b.WriteString(e + "\n")
+	}
+	path := filepath.Join(t.TempDir(), "trace.jsonl")
+	if err := os.WriteFile(path, []byte(b.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+func TestBenchMooncake(t *testing.T) {
+	t.Parallel()
+	path := writeMooncake(t, 60, "not json")
+	dir := t.TempDir()
+	jsonOut, png := filepath.Join(dir, "out.json"), filepath.Join(dir, "ttft.png")
+	out, errOut, err := run(t, "bench", "--trace", path, "--format", "mooncake", "--workers", "3",
+		"--policy", "round_robin,kv,kvbandit,no_such_policy", "--speed-factors", "1,1,0.5", "--rate-scale", "2",
+		"--kv-blocks", "256", "--json", jsonOut, "--plot", png)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errOut)
+	}
+	for _, want := range []string{"TTFT p50", "round_robin", "kvbandit", "infinite cache", "finite cache", "rate scale 2"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+	for _, want := range []string{`skipping policy "no_such_policy"`, "skipped 1 of 61 lines", "line 61:"} {
+		if !strings.Contains(errOut, want) {
+			t.Errorf("stderr lacks %q:\n%s", want, errOut)
+		}
+	}
+	var rep benchReport
+	b, err := os.ReadFile(jsonOut)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatal(err)
+	}
+	if rep.Requests != 60 || len(rep.Policies) != 3 || rep.Bounds.Infinite <= 0 || rep.Bounds.Finite > rep.Bounds.Infinite {
+		t.Fatalf("report %+v", rep)
+	}
+	for _, p := range rep.Policies {
+		if p.Served != 60 || p.TTFTP50 <= 0 || p.TTFTP50 > p.TTFTP99 || p.HitRate > rep.Bounds.Infinite+1e-9 || len(p.RequestsPerWorker) != 3 || p.Imbalance < 1 {
+			t.Errorf("%s: %+v", p.Policy, p)
+		}
+	}
+	for _, f := range []string{png, filepath.Join(dir, "ttft-queue.png")} {
+		if st, err := os.Stat(f); err != nil || st.Size() == 0 {
+			t.Errorf("plot %s: %v", f, err)
+		}
+	}
+}
+
+func TestBenchAgentic(t *testing.T) {
+	t.Parallel()
+	out, errOut, err := run(t, "bench", "--format", "agentic", "--workers", "4", "--policy", "round_robin,kvbandit",
+		"--sessions", "12", "--turns", "4", "--session-rate", "4", "--think-time", "2s", "--input-len", "100", "--output-len", "20")
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errOut)
+	}
+	if !strings.Contains(out, "affinity") || !strings.Contains(out, "48 requests") {
+		t.Errorf("output:\n%s", out)
+	}
+}
+
+func TestBenchAzure(t *testing.T) {
+	t.Parallel()
+	path := filepath.Join(t.TempDir(), "azure.csv")
+	csv := "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109\n2023-11-16 18:15:51.1,1200,3\n"
+	if err := os.WriteFile(path, []byte(csv), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out, errOut, err := run(t, "bench", "--trace", path, "--format", "azure", "--workers", "2", "--policy", "least_loaded")
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errOut)
+	}
+	if !strings.Contains(out, "3 requests") || !strings.Contains(out, "least_loaded") {
+		t.Errorf("output:\n%s", out)
+	}
+}
+
+func TestBenchUsageErrors(t *testing.T) {
+	t.Parallel()
+	good := writeMooncake(t, 3)
+	bad := writeMooncake(t, 1, "{}")
+	empty := filepath.Join(t.TempDir(), "empty.jsonl")
+	if err := os.WriteFile(empty, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		args  []string
+		usage bool
+		want  string
+	}{
+		{[]string{"--trace", good, "--workers", "0"}, true, "at least one worker"},
+		{[]string{"--trace", good, "--workers", "2", "--speed-factors", "1"}, true, "1 values for 2 workers"},
+		{[]string{"--trace", good, "--workers", "2", "--speed-factors", "1,0"}, true, "must be a number > 0"},
+		{[]string{"--trace", good, "--workers", "2", "--speed-factors", "1,-2"}, true, "must be a number > 0"},
+		{[]string{"--trace", good, "--format", "sharegpt"}, true, "--format"},
+		{[]string{"--format", "mooncake"}, true, "--trace is required"},
+		{[]string{"--trace", filepath.Join(t.TempDir(), "missing")}, true, "no such file"},
+		{[]string{"--trace", good, "--policy", "nope"}, true, "no known policy"},
+		{[]string{"--trace", good, "--rate-scale", "-1"}, true, "--rate-scale"},
+		{[]string{"--trace", good, "--bogus"}, true, "bogus"},
+		{[]string{"--trace", empty}, false, "empty trace"},
+		{[]string{"--trace", bad, "--strict"}, false, "line 2: missing timestamp"},
+		{[]string{"--format", "agentic", "--session-rate", "-1"}, true, "session rate"},
+	} {
+		_, errOut, err := run(t, append([]string{"bench", "--policy", "round_robin"}, c.args...)...)
+		if err == nil || errors.Is(err, ErrUsage) != c.usage || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%q: err %v (usage %v), want %q\n%s", c.args, err, errors.Is(err, ErrUsage), c.want, errOut)
+		}
+	}
+}
+
+// TestBenchRealMooncake replays the first 500 requests of the Mooncake
+// conversation trace with every default policy.
+func TestBenchRealMooncake(t *testing.T) {
+	t.Parallel()
+	if testing.Short() {
+		t.Skip("replays a real trace")
+	}
+	src, err := os.Open("../../../shared/traces/mooncake/conversation_trace.jsonl")
+	if err != nil {
+		t.Skipf("trace not available: %v", err)
+	}
+	defer src.Close()
+	path := filepath.Join(t.TempDir(), "head.jsonl")
+	dst, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := bufio.NewScanner(src)
+	sc.Buffer(nil, 1<<20)
+	for i := 0; i < 500 && sc.Scan(); i++ {
+		fmt.Fprintln(dst, sc.Text())
+	}
+	if err := dst.Close(); err != nil {
+		t.Fatal(err)
+	}
+	jsonOut := filepath.Join(t.TempDir(), "out.json")
+	out, errOut, err := run(t, "bench", "--trace", path, "--format", "mooncake", "--json", jsonOut)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errOut)
+	}
+	t.Log("\n" + out)
+	var rep benchReport
+	b, _ := os.ReadFile(jsonOut)
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatal(err)
+	}
+	if rep.Requests != 500 || len(rep.Policies) < 6 {
+		t.Fatalf("%d requests, %d policies", rep.Requests, len(rep.Policies))
+	}
+	byName := map[string]policySummary{}
+	for _, p := range rep.Policies {
+		if p.Failed != 0 || p.HitRate > rep.Bounds.Infinite+1e-9 {
+			t.Errorf("%s: %+v", p.Policy, p)
+		}
+		byName[p.Policy] = p
+	}
+	// Prefix-aware routing must find more cache than blind spreading.
+	if byName["kvbandit"].HitRate <= byName["round_robin"].HitRate {
+		t.Errorf("kvbandit hit rate %.3f <= round_robin %.3f", byName["kvbandit"].HitRate, byName["round_robin"].HitRate)
+	}
+}
