@@ -6,15 +6,17 @@ import (
 	"github.com/kvbandit/kvbandit/extproc/openai"
 )
 
-// estimateTokens stands in for a tokenizer: it renders the prompt into a
+// EstimateTokens stands in for a tokenizer: it renders the prompt into a
 // canonical byte string (roles and contents of chat messages, or the
 // completion prompts) and packs every 4 bytes into one pseudo-token, about
 // the ratio of real BPE tokenizers on English. Requests whose rendered
 // prompts share a prefix share the pseudo-tokens of that prefix (up to the
 // last whole 4-byte group), so block hashing, the KV index and prefix
 // affinity keep working without the model's tokenizer. A completion prompt
-// given as token ids is used as is.
-func estimateTokens(r *openai.Request) []uint32 {
+// given as token ids is used as is. The simulated workers
+// (internal/simworker) tokenize with it too, so that without a tokenizer
+// their KV events and kvbandit's block keys agree.
+func EstimateTokens(r *openai.Request) []uint32 {
 	if len(r.PromptTokenIDs) > 0 && len(r.Prompts) == 0 {
 		n := 0
 		for _, ids := range r.PromptTokenIDs {

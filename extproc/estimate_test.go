@@ -16,8 +16,8 @@ func TestEstimateTokensSharesPrefixes(t *testing.T) {
 		}
 		return r
 	}
-	turn1 := estimateTokens(parse(`{"model":"m","messages":[{"role":"system","content":"You are a helpful assistant with a long system prompt."},{"role":"user","content":"first question"}]}`))
-	turn2 := estimateTokens(parse(`{"model":"m","messages":[{"role":"system","content":"You are a helpful assistant with a long system prompt."},{"role":"user","content":"first question"},{"role":"assistant","content":"an answer"},{"role":"user","content":"second"}]}`))
+	turn1 := EstimateTokens(parse(`{"model":"m","messages":[{"role":"system","content":"You are a helpful assistant with a long system prompt."},{"role":"user","content":"first question"}]}`))
+	turn2 := EstimateTokens(parse(`{"model":"m","messages":[{"role":"system","content":"You are a helpful assistant with a long system prompt."},{"role":"user","content":"first question"},{"role":"assistant","content":"an answer"},{"role":"user","content":"second"}]}`))
 	if len(turn1) < 10 || len(turn2) <= len(turn1) {
 		t.Fatalf("lengths %d %d", len(turn1), len(turn2))
 	}
@@ -25,7 +25,7 @@ func TestEstimateTokensSharesPrefixes(t *testing.T) {
 	if !slices.Equal(turn1[:len(turn1)-1], turn2[:len(turn1)-1]) {
 		t.Fatal("a growing conversation does not share its prefix tokens")
 	}
-	other := estimateTokens(parse(`{"model":"m","messages":[{"role":"system","content":"Different."}]}`))
+	other := EstimateTokens(parse(`{"model":"m","messages":[{"role":"system","content":"Different."}]}`))
 	if slices.Equal(other[:2], turn1[:2]) {
 		t.Fatal("different prompts share tokens")
 	}
@@ -33,10 +33,10 @@ func TestEstimateTokensSharesPrefixes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := estimateTokens(ids); !slices.Equal(got, []uint32{1, 2, 3, 40000}) {
+	if got := EstimateTokens(ids); !slices.Equal(got, []uint32{1, 2, 3, 40000}) {
 		t.Fatalf("token-id prompt: %v", got)
 	}
-	if got := estimateTokens(&openai.Request{}); len(got) != 0 {
+	if got := EstimateTokens(&openai.Request{}); len(got) != 0 {
 		t.Fatalf("empty: %v", got)
 	}
 }

@@ -71,7 +71,7 @@ func TokenizeRequest(ctx context.Context, tok Tokenizer, timeout time.Duration, 
 			fallback = FallbackNoTokenizer
 		}
 	}
-	req.Tokens = estimateTokens(parsed)
+	req.Tokens = EstimateTokens(parsed)
 	req.TokenCount = len(req.Tokens)
 	req.Estimated = true
 	return fallback, err

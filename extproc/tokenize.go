@@ -40,7 +40,7 @@ func (m ModelTokenizer) Encode(ctx context.Context, req *openai.Request, body []
 		return mod.EncodeChat(ctx, in)
 	}
 	if len(req.Prompts) == 0 {
-		return estimateTokens(req), nil // token-id prompts
+		return EstimateTokens(req), nil // token-id prompts
 	}
 	var out []uint32
 	for i, p := range req.Prompts {
