@@ -15,6 +15,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy"
+	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
 // Request is one request of a trace.
@@ -250,7 +251,13 @@ func Run(ctx context.Context, cfg Config, reqs []Request) (*Result, error) {
 	}
 	vc := clock.NewVirtual(epoch)
 	rnd := routing.NewRand(cfg.Seed)
-	pol, err := policy.Builtin().New(cfg.Policy, policy.Deps{Logger: log, Clock: vc, Rand: rnd, Config: cfg.Policies})
+	// The hint-aware policies share one prefix store, as serve wires them.
+	store, err := prefixstate.New(prefixstate.Config{}, vc)
+	if err != nil {
+		return nil, fmt.Errorf("sim: %w", err)
+	}
+	defer store.Close()
+	pol, err := policy.Builtin().New(cfg.Policy, policy.Deps{Logger: log, Clock: vc, Rand: rnd, Config: cfg.Policies, Prefixes: store})
 	if err != nil {
 		return nil, fmt.Errorf("sim: %w", err)
 	}
