@@ -87,8 +87,13 @@ type worker struct {
 
 	stats WorkerResult
 
+	// maxRun bounds the steps of a decode run (0: up to the next
+	// completion); the real-time Worker sets 1.
+	maxRun int
+
 	// Hooks.
 	onEvent  func(kvindex.Event)
+	onAdmit  func(a *active)
 	onFirst  func(a *active, at time.Duration)
 	onFinish func(a *active, at time.Duration)
 
@@ -216,6 +221,9 @@ func (w *worker) startStep(now time.Duration) bool {
 		w.kind = stepDecode
 		w.decoders, w.runTokens, w.runSpeed = decoders, w.activeTokens, w.speed
 		w.start = now
+		if w.maxRun > 0 {
+			minLeft = min(minLeft, w.maxRun)
+		}
 		w.steps, w.end = w.decodeRun(minLeft, math.MaxInt64)
 	default:
 		return false // waiting requests that cannot be admitted yet
@@ -249,6 +257,9 @@ func (w *worker) admit(a *active) bool {
 	w.activeTokens += a.computed
 	w.stats.CachedTokens += a.cached
 	w.flushEvicted()
+	if w.onAdmit != nil {
+		w.onAdmit(a)
+	}
 	return true
 }
 
