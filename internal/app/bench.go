@@ -47,6 +47,7 @@ const (
 // benchOptions are the flags of `kvbandit bench`.
 type benchOptions struct {
 	trace, format, policies, speeds, jsonOut, plotOut string
+	config                                            string
 	workers, routerBlock, limit, kvBlocks, blockSize  int
 	rateScale                                         float64
 	seed                                              int64
@@ -56,6 +57,7 @@ type benchOptions struct {
 
 func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.trace, "trace", "", "trace file (required unless --format agentic)")
+	fs.StringVar(&o.config, "config", "", "serve's YAML config file: its policy sections (kv, kvbandit, thompson, weighted) parameterise the policies")
 	fs.StringVar(&o.format, "format", "mooncake", "trace format: mooncake, azure or agentic (generated, no file)")
 	fs.IntVar(&o.workers, "workers", 8, "simulated workers")
 	fs.StringVar(&o.policies, "policy", benchPolicies, "comma-separated policies to compare (unknown names are skipped with a warning)")
@@ -154,10 +156,18 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	for i := range workers {
 		workers[i] = sim.WorkerConfig{KVBlocks: o.kvBlocks, BlockSize: o.blockSize, Speed: speeds[i]}
 	}
+	var policies *policy.Config
+	if o.config != "" {
+		c, err := LoadConfig(o.config)
+		if err != nil {
+			return fmt.Errorf("%w: --config: %w", ErrUsage, err)
+		}
+		policies = &c.Config
+	}
 	bounds := trace.ComputeBounds(reqs, o.blockSize, o.workers*o.kvBlocks)
 	logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	results, err := runPolicies(ctx, names, func(name string) sim.Config {
-		return sim.Config{Workers: workers, Policy: name, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger}
+		return sim.Config{Workers: workers, Policy: name, Policies: policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger}
 	}, reqs)
 	if err != nil {
 		return err

@@ -4,11 +4,15 @@
 //
 // For candidate w the policy computes
 //
-//	cost_w = ŝ_w · prefill_w + decode_w + β · O_w − A_w
+//	cost_w = ŝ_w · prefill_w + δ · decode_w + β · O_w − A_w
 //
 // where prefill_w + decode_w is Dynamo's cost (routing/policy/kv): the
 // prefill work w would have (its in-flight prefill plus this request's
 // uncached tokens, in blocks, weighted) and the decode blocks it would hold.
+// δ (decode_weight, 1/32) puts the two in time units: in a chunked-prefill
+// engine the decodes ride along with prefill steps, so a held block delays a
+// new request's first token far less than a block to prefill; with Dynamo's
+// δ = 1 a busy worker's decode blocks outweigh a cached prefix.
 // O_w is the work still announced by the agent sessions pinned to w (reuse
 // budget × blocks per request, from the prefix hints; it places new
 // sessions and sessionless requests, and does not move a pinned session),
@@ -52,6 +56,8 @@ const Name = "kvbandit"
 type Config struct {
 	// OverlapScoreWeight is the kv backbone's prefill weight.
 	OverlapScoreWeight float64 `json:"overlap_score_weight"`
+	// DecodeWeight scales the decode-block term (Dynamo's kv uses 1).
+	DecodeWeight float64 `json:"decode_weight"`
 	// Speed is the Thompson-sampled speed posterior.
 	Speed SpeedConfig `json:"speed"`
 	// Affinity is the hint-driven prefix affinity.
@@ -89,10 +95,19 @@ type AffinityConfig struct {
 	DecayHighSeconds   float64 `json:"decay_high_seconds"`
 }
 
+// DefaultDecodeWeight is the decode-block term's weight. Decode work
+// barely delays a new request's first token in a chunked-prefill engine
+// (prefill steps run at prefill speed with the decodes riding along), so
+// in time units one held block weighs far less than one block to prefill;
+// Dynamo's 1 lets a busy worker's decode blocks outweigh a cached prefix
+// and scatters sessions. The value comes from `kvbandit bench` (docs/bench.md).
+const DefaultDecodeWeight = 1.0 / 32
+
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
 	return Config{
 		OverlapScoreWeight: 1,
+		DecodeWeight:       DefaultDecodeWeight,
 		Speed:              SpeedConfig{PriorSigma: 0.15, ObsSigma: 0.35, Forget: 0.97, BaselineAlpha: 0.05, MaxFactor: 8},
 		Affinity:           AffinityConfig{Weight: 1, OutstandingWeight: 0.1, DecayLowSeconds: 2, DecayMediumSeconds: 10, DecayHighSeconds: 60},
 	}
@@ -108,6 +123,7 @@ func (c Config) Validate() error {
 	}
 	inf := math.Inf(1)
 	check("overlap_score_weight", c.OverlapScoreWeight, 0, 1e6, false)
+	check("decode_weight", c.DecodeWeight, 0, 1e6, false)
 	check("speed.prior_sigma", c.Speed.PriorSigma, 0, 10, false)
 	check("speed.obs_sigma", c.Speed.ObsSigma, 0, 10, true)
 	check("speed.forget", c.Speed.Forget, 0, 1, true)
@@ -224,7 +240,7 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 	for i := range s.Candidates {
 		c := &s.Candidates[i]
 		prefill := p.cfg.OverlapScoreWeight * prefillBlocks(s, c)
-		cost := p.factor(c, rng, !placing)*prefill + float64(c.ActiveBlocks) + float64(c.NewBlocks)
+		cost := p.factor(c, rng, !placing)*prefill + p.cfg.DecodeWeight*float64(c.ActiveBlocks+int64(c.NewBlocks))
 		if placing && p.cfg.Affinity.OutstandingWeight > 0 {
 			cost += p.cfg.Affinity.OutstandingWeight * p.prefixes.Outstanding(c.Key())
 		}
