@@ -24,6 +24,10 @@ build: ## build bin/kvbandit
 run: build ## run `kvbandit serve` on loopback with two example endpoints
 	./$(BIN) serve --grpc-addr 127.0.0.1:9002 --health-addr 127.0.0.1:9003 --metrics-addr 127.0.0.1:9090 --endpoints 127.0.0.1:8001,127.0.0.1:8002
 
+.PHONY: demo
+demo: ## one command, no external services: 4 simulated workers, serve + proxy, a burst of agent sessions, then serving until Ctrl-C
+	$(GO) run ./cmd/kvbandit demo
+
 .PHONY: test
 test: vet unit e2e bench-smoke ## every suite: vet, unit (race), e2e (race), each benchmark once
 

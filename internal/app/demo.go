@@ -257,7 +257,7 @@ func Demo(ctx context.Context, o DemoOptions, stdout, stderr io.Writer) error {
 
 // demoSystemPrompt is shared by every session, like an agent's tool
 // definitions.
-var demoSystemPrompt = "You are a coding agent. You can call these tools: " + strings.Repeat("read_file(path), write_file(path, text), run_tests(pattern), search(query); ", 24)
+var demoSystemPrompt = "You are a coding agent. You can call these tools: " + strings.Repeat("read_file(path), write_file(path, text), run_tests(pattern), search(query); ", 8)
 
 // turnResult is one request of the burst.
 type turnResult struct {
@@ -286,7 +286,7 @@ func runBurst(ctx context.Context, base string, sessions, turns int) []turnResul
 			}
 			msgs := []map[string]string{
 				{"role": "system", "content": demoSystemPrompt},
-				{"role": "user", "content": fmt.Sprintf("Task %d: fix the failing test in package p%d.", s, s)},
+				{"role": "user", "content": demoTask(s)},
 			}
 			for t := range turns {
 				r := &res[s*turns+t]
@@ -310,6 +310,17 @@ func runBurst(ctx context.Context, base string, sessions, turns int) []turnResul
 	return res
 }
 
+// demoTask is a session's first user message: a task and the file it is
+// about, a context of about a thousand tokens that only this session has.
+func demoTask(s int) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "Task %d: fix the failing test in package p%d. Here is p%d/main.go:\n", s, s, s)
+	for i := range 60 {
+		fmt.Fprintf(&b, "func f%d_%d(x int) int { return x*%d + %d }\n", s, i, i+s, i*s)
+	}
+	return b.String()
+}
+
 // demoToolOutput is a tool result of a few hundred tokens.
 func demoToolOutput(s, t int) string {
 	var b strings.Builder
@@ -324,7 +335,7 @@ func demoToolOutput(s, t int) string {
 // assistant's answer.
 func demoTurn(ctx context.Context, c *http.Client, base, session string, total int, msgs []map[string]string, r *turnResult) string {
 	body, _ := json.Marshal(map[string]any{
-		"model": demoModel, "messages": msgs, "max_tokens": 24 + 8*(r.turn%3),
+		"model": demoModel, "messages": msgs, "max_tokens": 64 + 32*(r.turn%3),
 		"stream": true, "stream_options": map[string]any{"include_usage": true},
 	})
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(body))
