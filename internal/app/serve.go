@@ -27,6 +27,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/extproc/proxy"
+	"github.com/kvbandit/kvbandit/internal/tlsconfig"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/eds"
@@ -80,6 +81,8 @@ type ServeOptions struct {
 	TokenizerTimeout  time.Duration
 	ScrapeInterval    time.Duration
 	ScrapeTimeout     time.Duration
+	// TLS are the --tls-* flags (internal/app/tls.go).
+	TLS tlsconfig.Options
 	// set records the flags given explicitly, with their values.
 	set map[string]string
 }
@@ -120,6 +123,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.DecisionLogFormat, "decision-log-format", "csv", "decision log format: csv | jsonl")
 	fs.StringVar(&o.LogLevel, "log-level", "info", "debug | info | warn | error")
 	fs.StringVar(&o.LogFormat, "log-format", "text", "text | json")
+	o.TLS.AddFlags(fs)
 }
 
 // Validate checks the options.
@@ -166,6 +170,9 @@ func (o *ServeOptions) Validate() error {
 	}
 	if o.LogFormat != "text" && o.LogFormat != "json" {
 		errs = append(errs, fmt.Errorf("--log-format %q: want text or json", o.LogFormat))
+	}
+	if err := o.TLS.Validate(); err != nil {
+		errs = append(errs, err)
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("%w: %w", ErrUsage, err)
@@ -403,7 +410,12 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	// BUFFERED mode sends the whole body in one message: the receive limit
 	// must hold the largest body plus the message framing.
 	maxMsg := int(min(o.MaxBodyBytes, 1<<30)) + 64<<10
+	tlsSrc, err := newTLSSource(o.TLS, log)
+	if err != nil {
+		return err
+	}
 	gs := grpc.NewServer(
+		grpcTLS(tlsSrc),
 		grpc.MaxRecvMsgSize(maxMsg),
 		grpc.MaxConcurrentStreams(uint32(min(o.MaxInflight*2, 1<<20))),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
@@ -483,6 +495,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 			}
 			return fmt.Errorf("--http-addr: %w", err)
 		}
+		pl = httpTLS(pl, tlsSrc)
 		// No read or write timeout: a long SSE generation must not be cut.
 		psrv = &http.Server{Handler: px, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
 	}
