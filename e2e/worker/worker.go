@@ -42,6 +42,10 @@ type Config struct {
 	// FailStatus, when set, makes completion requests fail with this status
 	// and an OpenAI error body (see also SetFailStatus).
 	FailStatus int
+	// Addr is the listen address (default "127.0.0.1:0"); another loopback
+	// address (127.0.0.2:8000) gives workers distinct IPs on one port, as
+	// pods have.
+	Addr string
 }
 
 // Request is what the worker recorded about one request.
@@ -94,7 +98,7 @@ func New(cfg Config) *Worker {
 	return w
 }
 
-// Start listens on 127.0.0.1 (a random port). ctx is the parent of the
+// Start listens on Config.Addr (default 127.0.0.1, a random port). ctx is the parent of the
 // requests' contexts.
 func (w *Worker) Start(ctx context.Context) error {
 	w.mu.Lock()
@@ -102,7 +106,11 @@ func (w *Worker) Start(ctx context.Context) error {
 	if w.started {
 		return errors.New("worker: already started")
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	addr := w.cfg.Addr
+	if addr == "" {
+		addr = "127.0.0.1:0"
+	}
+	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return fmt.Errorf("worker: listen: %w", err)
 	}
