@@ -38,6 +38,11 @@ var (
 	simBin      string // llm-d-inference-sim v0.10.2 (tools/llm-d-inference-sim)
 )
 
+// extraSetup runs outside the network namespace, after the standard
+// builds, for suites behind build tags that need more (the GIE benchmark);
+// each returns environment variables for the suite.
+var extraSetup []func(root, dir string) ([]string, error)
+
 const (
 	envInNetns  = "KVBANDIT_E2E_NETNS"
 	envKvbandit = "KVBANDIT_E2E_BIN"
@@ -84,8 +89,17 @@ func outside() int {
 		fmt.Fprintln(os.Stderr, "e2e: building the tools (tools/build.sh):", err)
 		return 1
 	}
+	env := []string{envInNetns + "=1", envKvbandit + "=" + bin, envEtcd + "=" + paths[0], envSim + "=" + paths[1]}
+	for _, setup := range extraSetup {
+		more, err := setup(root, dir)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "e2e:", err)
+			return 1
+		}
+		env = append(env, more...)
+	}
 	cmd := exec.Command("unshare", append([]string{"--net", "--", "sh", "-c", `ip link set lo up && exec "$0" "$@"`, os.Args[0]}, os.Args[1:]...)...)
-	cmd.Env = append(os.Environ(), envInNetns+"=1", envKvbandit+"="+bin, envEtcd+"="+paths[0], envSim+"="+paths[1])
+	cmd.Env = append(os.Environ(), env...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
 	if err := cmd.Run(); err != nil {
 		var ee *exec.ExitError
