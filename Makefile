@@ -46,8 +46,12 @@ unit: fixtures tools ## unit tests, golden exchanges and fuzz seed corpora, with
 	$(GO) test -race -count=1 -timeout 10m $(UNIT)
 
 .PHONY: tools
-tools: ## build etcd and llm-d-inference-sim from their tools modules (cached by content in ~/.cache/kvbandit/tools)
-	bash tools/build.sh etcd llm-d-inference-sim
+tools: ## build etcd, llm-d-inference-sim, kube-apiserver and helm from their tools modules (cached by content in ~/.cache/kvbandit/tools)
+	bash tools/build.sh etcd llm-d-inference-sim kube-apiserver helm
+
+.PHONY: tools-gie
+tools-gie: ## build GIE's endpoint picker (epp v1.5.0) from its tools module, for the side-by-side benchmark only (not CI)
+	bash tools/build.sh epp
 
 .PHONY: e2e
 e2e: tools ## end-to-end suites: the real binary, real gRPC, real etcd, HTTP and llm-d-inference-sim workers, the Envoy-faithful client (in a private network namespace)

@@ -9,6 +9,9 @@ cache="${KVBANDIT_TOOLS:-$HOME/.cache/kvbandit/tools}"
 declare -A pkg=(
   [etcd]=github.com/kvbandit/kvbandit/tools/etcd
   [llm-d-inference-sim]=github.com/llm-d/llm-d-inference-sim/cmd/llm-d-inference-sim
+  [kube-apiserver]=k8s.io/kubernetes/cmd/kube-apiserver
+  [helm]=helm.sh/helm/v3/cmd/helm
+  [epp]=sigs.k8s.io/gateway-api-inference-extension/cmd/epp
 )
 for name in "$@"; do
   dir="$here/$name"
