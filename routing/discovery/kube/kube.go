@@ -122,6 +122,9 @@ func New(cfg Config, deps Deps) (*Source, error) {
 		cfg.TargetPorts = slices.Clone(cfg.TargetPorts)
 	}
 	rc := rest.CopyConfig(deps.Config)
+	// An HTTP client timeout would cut every watch; the start-up and probe
+	// calls carry their own deadlines.
+	rc.Timeout = 0
 	if rc.UserAgent == "" {
 		rc.UserAgent = "kvbandit"
 	}
