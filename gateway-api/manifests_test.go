@@ -1,0 +1,486 @@
+package gatewayapi_test
+
+// The Gateway API manifests and the Helm chart, validated by a real API server
+// (kubetest: kube-apiserver on etcd, with the GIE v1.5.0 CRDs and the Gateway
+// API HTTPRoute CRD installed) with server-side dry-run apply, and by real
+// helm (lint, template). Nothing is skipped: a missing binary fails the test.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+
+	"github.com/kvbandit/kvbandit/gateway-api/kubetest"
+	"github.com/kvbandit/kvbandit/internal/app"
+)
+
+const (
+	// gatewayAPIModule holds the Gateway API CRDs (HTTPRoute) at the version
+	// GIE v1.5.0 validates its own manifests against (hack/verify-manifests.sh,
+	// GATEWAY_API_VERSION); gatewayAPISum pins its content.
+	gatewayAPIModule = "sigs.k8s.io/gateway-api@v1.3.0"
+	gatewayAPISum    = "h1:q6okN+/UKDATola4JY7zXzx40WO4VISk7i9DIfOvr9M="
+
+	testNS    = "kvbandit-manifests"
+	chartDir  = "charts/kvbandit"
+	release   = "kvb"
+	applyWait = 30 * time.Second
+)
+
+func TestManifestsAndChart(t *testing.T) {
+	c := kubetest.Start(t)
+	c.CreateNamespace(t, testNS)
+	installGatewayAPICRDs(t, c)
+
+	t.Run("manifests", func(t *testing.T) {
+		files, err := filepath.Glob("manifests/*.yaml")
+		if err != nil {
+			t.Fatal(err)
+		}
+		examples, _ := filepath.Glob("manifests/examples/*.yaml")
+		files = append(files, examples...)
+		for _, want := range []string{"manifests/inferencepool.yaml", "manifests/httproute.yaml", "manifests/kvbandit.yaml",
+			"manifests/examples/vllm.yaml", "manifests/examples/sglang.yaml"} {
+			if !slices.Contains(files, want) {
+				t.Errorf("%s is missing", want)
+			}
+		}
+		var all []object
+		for _, f := range files {
+			raw, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			objs := decode(t, f, raw)
+			for i := range objs {
+				objs[i].setNamespace(testNS)
+			}
+			all = append(all, objs...)
+			t.Run(filepath.Base(f), func(t *testing.T) {
+				serverDryRun(t, c, objs)
+			})
+		}
+		checkPicker(t, all, "vllm-qwen3", "kvbandit", false)
+		checkExamples(t, all)
+	})
+
+	helm := kubetest.Tool(t, "helm")
+	t.Run("helm lint", func(t *testing.T) {
+		run(t, helm, "lint", "--strict", chartDir)
+		run(t, helm, "lint", "--strict", chartDir, "--set", "replicas=2,tls.secretName=kvb-tls,tls.clientCASecretName=kvb-ca")
+	})
+
+	cases := []struct {
+		name   string
+		set    []string
+		leader bool
+		check  func(t *testing.T, args []string, objs []object)
+	}{
+		{name: "defaults", check: func(t *testing.T, args []string, objs []object) {
+			for _, f := range []string{"--tls-cert", "--tls-self-signed", "--tls-client-ca", "--kube-selector"} {
+				if hasFlag(args, f) {
+					t.Errorf("default render has %s", f)
+				}
+			}
+			if find(objs, "HTTPRoute", "") != nil {
+				t.Error("default render has an HTTPRoute (httpRoute.enabled is false)")
+			}
+		}},
+		{name: "replicas=2 tls", leader: true,
+			set: []string{"replicas=2", "tls.secretName=kvb-tls", "tls.clientCASecretName=kvb-ca", "httpRoute.enabled=true",
+				"config.router.block_size=64", "policy=kv"},
+			check: func(t *testing.T, args []string, objs []object) {
+				for _, f := range []string{"--tls-cert=/etc/kvbandit/tls/tls.crt", "--tls-key=/etc/kvbandit/tls/tls.key",
+					"--tls-client-ca=/etc/kvbandit/client-ca/ca.crt", "--leader-elect-lease-name=" + release + "-kvbandit",
+					"--leader-elect-namespace=$(POD_NAMESPACE)", "--policy=kv"} {
+					if !slices.Contains(args, f) {
+						t.Errorf("args lack %s: %q", f, args)
+					}
+				}
+				d := find(objs, "Deployment", "")
+				vols := fmt.Sprint(d.get("spec", "template", "spec", "volumes"))
+				if !strings.Contains(vols, "secretName:kvb-tls") || !strings.Contains(vols, "secretName:kvb-ca") {
+					t.Errorf("TLS secrets not mounted: %s", vols)
+				}
+				if cfg := configOf(t, objs); cfg.Router.BlockSize != 64 || cfg.PrefixState.MaxEntries != 100000 {
+					t.Errorf("config.router.block_size=64 not merged into the defaults: %+v %+v", cfg.Router, cfg.PrefixState)
+				}
+				r := find(objs, "HTTPRoute", "")
+				if r == nil {
+					t.Fatal("no HTTPRoute with httpRoute.enabled")
+				}
+				checkRoute(t, r, release+"-kvbandit")
+			}},
+		{name: "standalone self-signed", set: []string{"pool.standalone=true", "pool.targetPorts={8000,8001}",
+			"pool.selector.app=sglang", "pool.selector.tier=gpu", "tls.selfSigned=true", "leaderElection.enabled=true"}, leader: true,
+			check: func(t *testing.T, args []string, objs []object) {
+				for _, f := range []string{"--kube-selector=app=sglang,tier=gpu", "--kube-target-ports=8000,8001", "--tls-self-signed"} {
+					if !slices.Contains(args, f) {
+						t.Errorf("args lack %s: %q", f, args)
+					}
+				}
+				if hasFlag(args, "--pool-name") || find(objs, "InferencePool", "") != nil {
+					t.Error("standalone render names or creates an InferencePool")
+				}
+				if strings.Contains(fmt.Sprint(find(objs, "Role", release+"-kvbandit").get("rules")), "inferencepools") {
+					t.Error("standalone Role grants inferencepools")
+				}
+			}},
+	}
+	for _, tc := range cases {
+		t.Run("helm template "+tc.name, func(t *testing.T) {
+			out := template(t, helm, tc.set...)
+			objs := decode(t, "helm template", out)
+			serverDryRun(t, c, objs)
+			if tc.name != "standalone self-signed" {
+				checkPicker(t, objs, release+"-kvbandit", release+"-kvbandit", tc.leader)
+			}
+			d := find(objs, "Deployment", release+"-kvbandit")
+			if d == nil {
+				t.Fatal("no Deployment")
+			}
+			args := containerArgs(t, d)
+			if got := hasFlag(args, "--leader-elect"); got != tc.leader {
+				t.Errorf("--leader-elect = %v, want %v (args %q)", got, tc.leader, args)
+			}
+			if got := find(objs, "Role", release+"-kvbandit-leader-election") != nil; got != tc.leader {
+				t.Errorf("leader-election Role present = %v, want %v", got, tc.leader)
+			}
+			configOf(t, objs)
+			tc.check(t, args, objs)
+		})
+	}
+
+	t.Run("helm template refuses bad values", func(t *testing.T) {
+		for _, set := range [][]string{
+			{"tls.secretName=x", "tls.selfSigned=true"},
+			{"tls.clientCASecretName=ca"},
+			{"replicas=0"},
+			{"pool.failureMode=Sometimes"},
+			{"pool.targetPorts={1,2,3,4,5,6,7,8,9}"},
+			{"pool.namespace=elsewhere"},
+			{"pool.standalone=true", "httpRoute.enabled=true"},
+		} {
+			args := []string{"template", release, chartDir, "-n", testNS}
+			for _, s := range set {
+				args = append(args, "--set", s)
+			}
+			out, err := exec.Command(helm, args...).CombinedOutput()
+			if err == nil {
+				t.Errorf("helm template --set %v: rendered, want an error\n%s", set, out)
+			}
+		}
+	})
+}
+
+// installGatewayAPICRDs applies the standard HTTPRoute (and Gateway) CRDs from
+// the pinned Gateway API module and waits until an HTTPRoute can be applied.
+func installGatewayAPICRDs(t *testing.T, c *kubetest.Cluster) {
+	t.Helper()
+	cmd := exec.Command("go", "mod", "download", "-json", gatewayAPIModule)
+	cmd.Dir = t.TempDir()
+	cmd.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	var mod struct{ Dir, Sum, Error string }
+	if err != nil || json.Unmarshal(out, &mod) != nil || mod.Dir == "" {
+		t.Fatalf("go mod download %s: %v %s\n%s%s", gatewayAPIModule, err, mod.Error, out, stderr.String())
+	}
+	if mod.Sum != gatewayAPISum {
+		t.Fatalf("%s: sum %s, want %s", gatewayAPIModule, mod.Sum, gatewayAPISum)
+	}
+	for _, f := range []string{"gateway.networking.k8s.io_gateways.yaml", "gateway.networking.k8s.io_httproutes.yaml"} {
+		raw, err := os.ReadFile(filepath.Join(mod.Dir, "config", "crd", "standard", f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Apply(context.Background(), raw, false); err != nil {
+			t.Fatalf("install %s: %v", f, err)
+		}
+	}
+	probe := []byte(`{"apiVersion":"gateway.networking.k8s.io/v1","kind":"HTTPRoute","metadata":{"name":"probe","namespace":"` +
+		testNS + `"},"spec":{}}`)
+	deadline := time.Now().Add(applyWait)
+	for {
+		err := c.Apply(context.Background(), probe, true)
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("HTTPRoute CRD not served after %v: %v", applyWait, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// object is one decoded manifest document.
+type object struct {
+	src string
+	m   map[string]any
+}
+
+func (o object) kind() string { s, _ := o.m["kind"].(string); return s }
+func (o object) name() string { s, _ := o.get("metadata", "name").(string); return s }
+
+func (o object) get(path ...string) any {
+	var v any = o.m
+	for _, p := range path {
+		mm, ok := v.(map[string]any)
+		if !ok {
+			return nil
+		}
+		v = mm[p]
+	}
+	return v
+}
+
+func (o object) setNamespace(ns string) {
+	md, _ := o.m["metadata"].(map[string]any)
+	if md == nil {
+		md = map[string]any{}
+		o.m["metadata"] = md
+	}
+	if _, ok := md["namespace"]; !ok {
+		md["namespace"] = ns
+	}
+}
+
+func decode(t *testing.T, src string, raw []byte) []object {
+	t.Helper()
+	var objs []object
+	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(raw), 4096)
+	for {
+		var m map[string]any
+		if err := dec.Decode(&m); errors.Is(err, io.EOF) {
+			break
+		} else if err != nil {
+			t.Fatalf("%s: %v", src, err)
+		}
+		if len(m) > 0 {
+			objs = append(objs, object{src: src, m: m})
+		}
+	}
+	if len(objs) == 0 {
+		t.Fatalf("%s: no objects", src)
+	}
+	return objs
+}
+
+// serverDryRun applies every object with server-side apply, dryRun=All: the
+// API server validates and defaults (OpenAPI schemas, CEL rules of the CRDs,
+// RBAC escalation checks) but stores nothing.
+func serverDryRun(t *testing.T, c *kubetest.Cluster, objs []object) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, o := range objs {
+		raw, err := json.Marshal(o.m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Apply(ctx, raw, true); err != nil {
+			t.Errorf("%s: server-side dry-run apply of %s %s: %v", o.src, o.kind(), o.name(), err)
+		}
+	}
+}
+
+func find(objs []object, kind, name string) *object {
+	for i := range objs {
+		if objs[i].kind() == kind && (name == "" || objs[i].name() == name) {
+			return &objs[i]
+		}
+	}
+	return nil
+}
+
+func run(t *testing.T, bin string, args ...string) []byte {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("%s %s: %v\n%s%s", filepath.Base(bin), strings.Join(args, " "), err, out, stderr.String())
+	}
+	return out
+}
+
+func template(t *testing.T, helm string, set ...string) []byte {
+	t.Helper()
+	args := []string{"template", release, chartDir, "-n", testNS}
+	for _, s := range set {
+		args = append(args, "--set", s)
+	}
+	return run(t, helm, args...)
+}
+
+func containerArgs(t *testing.T, d *object) []string {
+	t.Helper()
+	cs, _ := d.get("spec", "template", "spec", "containers").([]any)
+	if len(cs) != 1 {
+		t.Fatalf("%s: want 1 container, got %d", d.src, len(cs))
+	}
+	raw, _ := cs[0].(map[string]any)["args"].([]any)
+	args := make([]string, len(raw))
+	for i, a := range raw {
+		args[i], _ = a.(string)
+	}
+	return args
+}
+
+func hasFlag(args []string, flag string) bool {
+	return slices.ContainsFunc(args, func(a string) bool { return a == flag || strings.HasPrefix(a, flag+"=") })
+}
+
+// configOf parses the ConfigMap's config.yaml with kvbandit's own strict
+// config loader, as serve --config does.
+func configOf(t *testing.T, objs []object) *app.FileConfig {
+	t.Helper()
+	cm := find(objs, "ConfigMap", "")
+	if cm == nil {
+		t.Fatal("no ConfigMap")
+	}
+	raw, _ := cm.get("data", "config.yaml").(string)
+	cfg, err := app.ParseConfig([]byte(raw))
+	if err != nil {
+		t.Fatalf("%s: ConfigMap config.yaml is not a valid kvbandit config: %v\n%s", cm.src, err, raw)
+	}
+	return cfg
+}
+
+// checkPicker checks what the API server cannot: the pool, the Service, the
+// Deployment and the RBAC agree with each other and with kvbandit's flags.
+func checkPicker(t *testing.T, objs []object, pool, svcName string, leader bool) {
+	t.Helper()
+	p := find(objs, "InferencePool", pool)
+	svc := find(objs, "Service", svcName)
+	d := find(objs, "Deployment", svcName)
+	if p == nil || svc == nil || d == nil {
+		t.Fatalf("want InferencePool %s, Service and Deployment %s", pool, svcName)
+	}
+	ref, _ := p.get("spec", "endpointPickerRef").(map[string]any)
+	port := fmt.Sprint(p.get("spec", "endpointPickerRef", "port", "number"))
+	if ref["name"] != svcName || port != "9002" {
+		t.Errorf("endpointPickerRef = %v, want Service %s port 9002", ref, svcName)
+	}
+	ports := map[string]map[string]any{}
+	for _, sp := range svc.get("spec", "ports").([]any) {
+		m := sp.(map[string]any)
+		ports[m["name"].(string)] = m
+	}
+	if m := ports["grpc-ext-proc"]; m == nil || fmt.Sprint(m["port"]) != "9002" || m["appProtocol"] != "http2" {
+		t.Errorf("Service port grpc-ext-proc = %v, want 9002 with appProtocol http2", m)
+	}
+	for name, want := range map[string]string{"grpc-health": "9003", "metrics": "9090"} {
+		if m := ports[name]; m == nil || fmt.Sprint(m["port"]) != want {
+			t.Errorf("Service port %s = %v, want %s", name, m, want)
+		}
+	}
+	args := containerArgs(t, d)
+	for _, f := range []string{"serve", "--grpc-addr=:9002", "--health-addr=:9003", "--metrics-addr=:9090",
+		"--config=/etc/kvbandit/config.yaml", "--pool-name=" + pool, "--pool-namespace=$(POD_NAMESPACE)"} {
+		if !slices.Contains(args, f) {
+			t.Errorf("%s: args lack %s: %q", d.src, f, args)
+		}
+	}
+	c := d.get("spec", "template", "spec", "containers").([]any)[0].(map[string]any)
+	probes := fmt.Sprint(c["readinessProbe"], c["livenessProbe"])
+	if !strings.Contains(probes, "grpc:map[port:9003 service:readiness]") || !strings.Contains(probes, "grpc:map[port:9003 service:liveness]") {
+		t.Errorf("probes are not gRPC health on 9003 readiness/liveness: %s", probes)
+	}
+	if !strings.Contains(fmt.Sprint(c["env"]), "fieldPath:metadata.namespace") {
+		t.Error("POD_NAMESPACE does not come from the downward API")
+	}
+	sc := fmt.Sprint(c["securityContext"], d.get("spec", "template", "spec", "securityContext"))
+	for _, s := range []string{"readOnlyRootFilesystem:true", "allowPrivilegeEscalation:false", "runAsNonRoot:true"} {
+		if !strings.Contains(sc, s) {
+			t.Errorf("securityContext lacks %s: %s", s, sc)
+		}
+	}
+	if fmt.Sprint(d.get("spec", "replicas")) == "1" && leader {
+		t.Error("leader election with 1 replica was not asked for")
+	}
+	// The Role the ServiceAccount is bound to allows exactly the watch and, with
+	// leader election, the Lease.
+	var rules []string
+	for _, o := range objs {
+		if o.kind() == "Role" {
+			for _, r := range o.get("rules").([]any) {
+				rules = append(rules, fmt.Sprint(r))
+			}
+		}
+	}
+	all := strings.Join(rules, "\n")
+	for _, want := range []string{"resources:[pods] verbs:[get list watch]", "resources:[inferencepools] verbs:[get list watch]"} {
+		if !strings.Contains(all, want) {
+			t.Errorf("RBAC lacks %q:\n%s", want, all)
+		}
+	}
+	if leader && !strings.Contains(all, "resources:[leases] verbs:[get create update]") {
+		t.Errorf("RBAC lacks leases for leader election:\n%s", all)
+	}
+	for _, bad := range []string{"*", "delete", "patch", "secrets"} {
+		if strings.Contains(all, bad) {
+			t.Errorf("RBAC grants %q:\n%s", bad, all)
+		}
+	}
+	configOf(t, objs)
+}
+
+func checkRoute(t *testing.T, r *object, pool string) {
+	t.Helper()
+	got := fmt.Sprint(r.get("spec", "rules"))
+	if !strings.Contains(got, "group:inference.networking.k8s.io kind:InferencePool name:"+pool) {
+		t.Errorf("HTTPRoute backendRefs do not name InferencePool %s: %s", pool, got)
+	}
+}
+
+// checkExamples: the route and the example model servers match the pool.
+func checkExamples(t *testing.T, objs []object) {
+	t.Helper()
+	r := find(objs, "HTTPRoute", "vllm-qwen3")
+	if r == nil {
+		t.Fatal("no HTTPRoute vllm-qwen3")
+	}
+	checkRoute(t, r, "vllm-qwen3")
+	p := find(objs, "InferencePool", "vllm-qwen3")
+	sel := fmt.Sprint(p.get("spec", "selector", "matchLabels"))
+	for _, name := range []string{"vllm-qwen3", "sglang-qwen3"} {
+		d := find(objs, "Deployment", name)
+		if d == nil {
+			t.Errorf("no example Deployment %s", name)
+			continue
+		}
+		ann, _ := d.get("spec", "template", "metadata", "annotations").(map[string]any)
+		for _, k := range []string{"kvbandit.io/engine", "kvbandit.io/models", "kvbandit.io/block-size", "kvbandit.io/metrics-port"} {
+			if _, ok := ann[k]; !ok {
+				t.Errorf("%s: pod annotation %s missing", name, k)
+			}
+		}
+		if name == "vllm-qwen3" {
+			if got := fmt.Sprint(d.get("spec", "template", "metadata", "labels")); got != sel {
+				t.Errorf("vLLM pod labels %s do not match the pool selector %s", got, sel)
+			}
+			args := strings.Join(containerArgs(t, d), " ")
+			if !strings.Contains(args, `--kv-events-config {"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}`) {
+				t.Errorf("vLLM args lack the KV-events config: %s", args)
+			}
+			if ann["kvbandit.io/kv-events-port"] != "5557" || ann["kvbandit.io/kv-events-replay-port"] != "5558" {
+				t.Errorf("vLLM kv-events annotations do not match --kv-events-config: %v", ann)
+			}
+		}
+	}
+}
