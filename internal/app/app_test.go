@@ -32,6 +32,9 @@ func TestMain(m *testing.M) {
 		// go-zeromq v0.17.0 PUB sockets (the worker side, tests only) can
 		// leave their writer goroutine behind after Close.
 		goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run"),
+		// klog (imported by client-go) starts its flush daemon at init and
+		// never stops it.
+		goleak.IgnoreTopFunction("k8s.io/klog/v2.(*flushDaemon).run.func1"),
 	)
 }
 

@@ -83,6 +83,11 @@ type ServeOptions struct {
 	ScrapeTimeout     time.Duration
 	// TLS are the --tls-* flags (internal/app/tls.go).
 	TLS tlsconfig.Options
+	// Kubeconfig is the API server client configuration file shared by
+	// the Kubernetes features (empty: in-cluster, then $KUBECONFIG).
+	Kubeconfig string
+	// LeaderElect are the --leader-elect* flags (internal/app/leader.go).
+	LeaderElect LeaderOptions
 	// set records the flags given explicitly, with their values.
 	set map[string]string
 }
@@ -124,6 +129,8 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.LogLevel, "log-level", "info", "debug | info | warn | error")
 	fs.StringVar(&o.LogFormat, "log-format", "text", "text | json")
 	o.TLS.AddFlags(fs)
+	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file for the Kubernetes API server (discovery, --leader-elect); empty: in-cluster service account, else $KUBECONFIG or ~/.kube/config")
+	o.LeaderElect.AddFlags(fs)
 }
 
 // Validate checks the options.
@@ -172,6 +179,9 @@ func (o *ServeOptions) Validate() error {
 		errs = append(errs, fmt.Errorf("--log-format %q: want text or json", o.LogFormat))
 	}
 	if err := o.TLS.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := o.LeaderElect.Validate(); err != nil {
 		errs = append(errs, err)
 	}
 	if err := errors.Join(errs...); err != nil {
@@ -414,6 +424,11 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	if err != nil {
 		return err
 	}
+	gate := &readyGate{}
+	le, err := newLeaderElection(o, log, reg, gate)
+	if err != nil {
+		return err
+	}
 	gs := grpc.NewServer(
 		grpcTLS(tlsSrc),
 		grpc.MaxRecvMsgSize(maxMsg),
@@ -562,12 +577,12 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	}
 	// Ready once discovery has published a set, and from then on through
 	// discovery outages (the last known set keeps serving).
+	// Under --leader-elect, also only while leading (leader.go).
 	var stopping atomic.Bool
-	hub.Follow(func(routing.EndpointSet) {
-		if !stopping.Load() {
-			setReady(true)
-		}
-	})
+	gate.bind(setReady, &stopping)
+	hub.Follow(func(routing.EndpointSet) { gate.setSynced() })
+	stopLeader := le.start()
+	defer stopLeader()
 	maddr := ""
 	if ml != nil {
 		maddr = ml.Addr().String()
@@ -592,6 +607,9 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	stopping.Store(true)
 	setReady(false)
 	hs.Shutdown()
+	// Release the Lease now, so a standby takes over while this replica
+	// drains.
+	stopLeader()
 	// The standalone proxy drains alongside: it stops accepting at once,
 	// proxied requests get DrainTimeout to finish, then the ones left are
 	// cut (their decisions end as abandoned).
