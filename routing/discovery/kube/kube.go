@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"maps"
+	"net/http"
 	"os"
 	"slices"
 	"strings"
@@ -48,7 +49,7 @@ const (
 	preflightTimeout = 10 * time.Second
 	// probeInterval is how often a degraded source checks the API server.
 	probeInterval = time.Second
-	probeTimeout  = 5 * time.Second
+	probeTimeout  = 2 * time.Second
 )
 
 // Config says what to watch.
@@ -82,6 +83,8 @@ type Source struct {
 	clk  clock.Clock
 	kube kubernetes.Interface
 	dyn  dynamic.Interface
+	// netErr carries transport errors (API server unreachable).
+	netErr chan error
 }
 
 var _ discovery.Source = (*Source)(nil)
@@ -125,6 +128,21 @@ func New(cfg Config, deps Deps) (*Source, error) {
 	// An HTTP client timeout would cut every watch; the start-up and probe
 	// calls carry their own deadlines.
 	rc.Timeout = 0
+	// The reflectors retry a refused watch on their own without telling
+	// anyone, so failures are seen where requests are sent.
+	netErr := make(chan error, 1)
+	rc.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(req *http.Request) (*http.Response, error) {
+			resp, err := rt.RoundTrip(req)
+			if err != nil && req.Context().Err() == nil {
+				select {
+				case netErr <- err:
+				default:
+				}
+			}
+			return resp, err
+		})
+	})
 	if rc.UserAgent == "" {
 		rc.UserAgent = "kvbandit"
 	}
@@ -140,8 +158,12 @@ func New(cfg Config, deps Deps) (*Source, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Source{cfg: cfg, log: log.With("source", SourceName), clk: clock.Or(deps.Clock), kube: kc, dyn: dc}, nil
+	return &Source{cfg: cfg, log: log.With("source", SourceName), clk: clock.Or(deps.Clock), kube: kc, dyn: dc, netErr: netErr}, nil
 }
+
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
 
 func checkPorts(ports []int) error {
 	if len(ports) == 0 {
@@ -373,6 +395,11 @@ func (r *runner) loop(ctx context.Context) error {
 		case <-r.flush:
 			r.flushPending = false
 			r.reconcile(ictx)
+		case err := <-r.netErr:
+			if !r.degraded {
+				r.degrade(fmt.Errorf("kube discovery: API server unreachable: %w", err))
+				r.scheduleProbe()
+			}
 		case err := <-r.watchErr:
 			if !r.degraded {
 				r.degrade(fmt.Errorf("kube discovery: watch: %w", err))
@@ -385,6 +412,10 @@ func (r *runner) loop(ctx context.Context) error {
 			switch {
 			case err == nil:
 				r.degraded = false
+				select { // an error from before the recovery
+				case <-r.netErr:
+				default:
+				}
 				r.sink.SetDegraded(SourceName, nil)
 				r.log.Info("kube discovery: API server reachable again; re-listing")
 				r.restart(ictx)
