@@ -19,9 +19,18 @@ for name in "$@"; do
   key="$(cat "$dir"/go.mod "$dir"/go.sum $(ls "$dir"/*.go 2>/dev/null) | sha256sum | cut -c1-12)"
   out="$cache/$name-$key/$name"
   if [[ ! -x "$out" ]]; then
-    echo "building $name ($key) ..." >&2
+    # Test packages run in parallel and may ask for the same tool at once:
+    # one builds (under a lock), the others wait for it and reuse the binary.
     mkdir -p "$(dirname "$out")"
-    (cd "$dir" && GOWORK=off CGO_ENABLED=0 go build -trimpath -o "$out.tmp" "${pkg[$name]}") && mv "$out.tmp" "$out"
+    exec {lock}>"$out.lock"
+    flock "$lock"
+    if [[ ! -x "$out" ]]; then
+      echo "building $name ($key) ..." >&2
+      (cd "$dir" && GOWORK=off CGO_ENABLED=0 go build -trimpath -o "$out.tmp.$$" "${pkg[$name]}") ||
+        { echo "build.sh: building $name failed" >&2; rm -f "$out.tmp.$$"; exit 1; }
+      mv "$out.tmp.$$" "$out"
+    fi
+    exec {lock}>&-
   fi
   echo "$out"
 done

@@ -120,6 +120,7 @@ func Start(t testing.TB) *Cluster {
 	crds := CRDDir(t)
 	c := &Cluster{t: t, bin: bin, dir: t.TempDir(), port: freePort(t)}
 	c.etcd = etcdtest.Start(t)
+	etcdUp := time.Now()
 	c.writeFiles()
 	t.Cleanup(func() {
 		c.stop()
@@ -130,8 +131,11 @@ func Start(t testing.TB) *Cluster {
 		}
 	})
 	c.start()
+	ready := time.Now()
 	c.installCRDs(crds)
-	t.Logf("kubetest: API server %s ready with the GIE CRDs in %v", c.URL(), time.Since(begin).Round(time.Millisecond))
+	ms := func(d time.Duration) time.Duration { return d.Round(time.Millisecond) }
+	t.Logf("kubetest: API server %s ready with the GIE CRDs in %v (tools and etcd %v, kube-apiserver /readyz %v, CRDs %v)",
+		c.URL(), ms(time.Since(begin)), ms(etcdUp.Sub(begin)), ms(ready.Sub(etcdUp)), ms(time.Since(ready)))
 	return c
 }
 
@@ -219,6 +223,9 @@ func (c *Cluster) Restart() {
 }
 
 // CreateNamespace creates a namespace; one that exists already is fine.
+// The first custom resource (an InferencePool) created in a namespace this
+// new took about 2 s here (the API server's namespace admission catching
+// up); Pods and the "default" namespace are not affected.
 func (c *Cluster) CreateNamespace(t testing.TB, name string) {
 	t.Helper()
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}
@@ -601,6 +608,35 @@ func (c *Cluster) installCRDs(dir string) {
 				t.Fatalf("kubetest: CRD %s not Established after 30s (%v)", name, err)
 			}
 			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	// Established is not yet served everywhere: wait until every served
+	// version lists, so a test's first request does not wait or fail.
+	for _, name := range names {
+		u, err := crds.Get(ctx(t), name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatalf("kubetest: CRD %s: %v", name, err)
+		}
+		group, _, _ := unstructured.NestedString(u.Object, "spec", "group")
+		plural, _, _ := unstructured.NestedString(u.Object, "spec", "names", "plural")
+		versions, _, _ := unstructured.NestedSlice(u.Object, "spec", "versions")
+		for _, v := range versions {
+			m, _ := v.(map[string]any)
+			version, _ := m["name"].(string)
+			if served, _ := m["served"].(bool); !served {
+				continue
+			}
+			res := c.Dynamic(t).Resource(schema.GroupVersionResource{Group: group, Version: version, Resource: plural})
+			for {
+				_, err := res.List(ctx(t), metav1.ListOptions{Limit: 1})
+				if err == nil {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("kubetest: %s/%s %s not served after 30s: %v", group, version, plural, err)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
 		}
 	}
 }
