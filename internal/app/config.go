@@ -77,6 +77,9 @@ type DiscoveryConfig struct {
 	File *FileDiscoveryConfig `json:"file,omitempty"`
 	// Etcd watches endpoint records under <prefix>/<pool>/endpoints/.
 	Etcd *etcd.Config `json:"etcd,omitempty"`
+	// Kube watches an InferencePool and its Pods (or, without a pool, a
+	// Pod selector) in Kubernetes.
+	Kube *KubeDiscoveryConfig `json:"kube,omitempty"`
 	// EDS serves the endpoint set to Envoy as its workers cluster.
 	EDS *EDSConfig `json:"eds,omitempty"`
 }
@@ -85,6 +88,18 @@ type DiscoveryConfig struct {
 type FileDiscoveryConfig struct {
 	Path         string  `json:"path"`
 	IntervalSecs float64 `json:"interval_secs"`
+}
+
+// KubeDiscoveryConfig is the Kubernetes source (routing/discovery/kube):
+// Pool, or Selector and TargetPorts (standalone mode).
+type KubeDiscoveryConfig struct {
+	Pool        string            `json:"pool"`
+	Namespace   string            `json:"namespace"`
+	Selector    map[string]string `json:"selector"`
+	TargetPorts []int             `json:"target_ports"`
+	// Kubeconfig is the client configuration file (--kubeconfig wins;
+	// empty: in-cluster).
+	Kubeconfig string `json:"kubeconfig"`
 }
 
 // EDSConfig is the EDS (xDS) server.
@@ -255,8 +270,14 @@ func (d *DiscoveryConfig) validate(static bool) error {
 			return fmt.Errorf("discovery.etcd: %w", err)
 		}
 	}
+	if k := d.Kube; k != nil {
+		sources++
+		if k.Pool == "" && len(k.Selector) == 0 {
+			return fmt.Errorf("discovery.kube: give pool, or selector and target_ports")
+		}
+	}
 	if sources > 1 {
-		return fmt.Errorf("discovery: give one source of endpoints (endpoints, discovery.file or discovery.etcd)")
+		return fmt.Errorf("discovery: give one source of endpoints (endpoints, discovery.file, discovery.etcd or discovery.kube)")
 	}
 	if d.EDS != nil && d.EDS.Addr == "" {
 		return fmt.Errorf("discovery.eds.addr: must not be empty")

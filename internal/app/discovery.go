@@ -1,8 +1,11 @@
 package app
 
 import (
+	"cmp"
 	"errors"
+	"fmt"
 	"log/slog"
+	"strconv"
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -11,6 +14,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/eds"
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
+	"github.com/kvbandit/kvbandit/routing/discovery/kube"
 )
 
 // discoverySources returns the static set (published synchronously at
@@ -61,17 +65,83 @@ func discoverySources(o ServeOptions, c *FileConfig, log *slog.Logger) (*routing
 		}
 		sources = append(sources, src)
 	}
+	src, err := kubeSource(o, c, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	if src != nil {
+		sources = append(sources, src)
+	}
 	n := len(sources)
 	if static != nil {
 		n++
 	}
 	switch {
 	case n == 0:
-		return nil, nil, errors.New("no workers: give --endpoints, --endpoints-file, or a config file with endpoints or a discovery source")
+		return nil, nil, errors.New("no workers: give --endpoints, --endpoints-file, --pool-name, --kube-selector, or a config file with endpoints or a discovery source")
 	case n > 1:
 		return nil, nil, errors.New("give one source of endpoints: --endpoints, --endpoints-file, the config's endpoints, or one discovery source")
 	}
 	return static, sources, nil
+}
+
+// kubeSource is the Kubernetes source of --pool-name/--kube-selector and
+// the config's discovery.kube (flags win), or nil.
+func kubeSource(o ServeOptions, c *FileConfig, log *slog.Logger) (discovery.Source, error) {
+	kc := c.Discovery.Kube
+	if o.PoolName != "" || o.KubeSelector != "" {
+		if kc == nil {
+			kc = &KubeDiscoveryConfig{}
+		}
+		if o.PoolName != "" {
+			kc.Pool = o.PoolName
+		}
+		if o.KubeSelector != "" {
+			sel, err := parseSelector(o.KubeSelector)
+			if err != nil {
+				return nil, err
+			}
+			kc.Selector = sel
+		}
+	}
+	if kc == nil {
+		if o.PoolNamespace != "" || o.KubeTargetPorts != "" {
+			return nil, errors.New("--pool-namespace and --kube-target-ports need --pool-name or --kube-selector")
+		}
+		return nil, nil
+	}
+	if o.PoolNamespace != "" {
+		kc.Namespace = o.PoolNamespace
+	}
+	if o.KubeTargetPorts != "" {
+		kc.TargetPorts = nil
+		for _, f := range splitList(o.KubeTargetPorts) {
+			p, err := strconv.Atoi(f)
+			if err != nil {
+				return nil, fmt.Errorf("--kube-target-ports: %q is not a port", f)
+			}
+			kc.TargetPorts = append(kc.TargetPorts, p)
+		}
+	}
+	rc, err := kubeRESTConfig(cmp.Or(o.Kubeconfig, kc.Kubeconfig))
+	if err != nil {
+		return nil, fmt.Errorf("kube discovery: API server configuration: %w", err)
+	}
+	return kube.New(kube.Config{Namespace: kc.Namespace, Pool: kc.Pool, Selector: kc.Selector, TargetPorts: kc.TargetPorts},
+		kube.Deps{Config: rc, Logger: log})
+}
+
+// parseSelector parses "k=v,k=v".
+func parseSelector(s string) (map[string]string, error) {
+	sel := map[string]string{}
+	for _, f := range splitList(s) {
+		k, v, ok := strings.Cut(f, "=")
+		if !ok || strings.TrimSpace(k) == "" {
+			return nil, fmt.Errorf("--kube-selector: %q is not key=value", f)
+		}
+		sel[strings.TrimSpace(k)] = strings.TrimSpace(v)
+	}
+	return sel, nil
 }
 
 func splitList(s string) []string {

@@ -88,6 +88,12 @@ type ServeOptions struct {
 	Kubeconfig string
 	// LeaderElect are the --leader-elect* flags (internal/app/leader.go).
 	LeaderElect LeaderOptions
+	// Kubernetes discovery (internal/app/discovery.go): an InferencePool,
+	// or a Pod selector and target ports (standalone mode).
+	PoolName        string
+	PoolNamespace   string
+	KubeSelector    string
+	KubeTargetPorts string
 	// set records the flags given explicitly, with their values.
 	set map[string]string
 }
@@ -129,6 +135,10 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.LogLevel, "log-level", "info", "debug | info | warn | error")
 	fs.StringVar(&o.LogFormat, "log-format", "text", "text | json")
 	o.TLS.AddFlags(fs)
+	fs.StringVar(&o.PoolName, "pool-name", "", "discover workers from this Gateway API Inference Extension InferencePool and the Pods it selects (Pod annotations: routing/discovery/kube)")
+	fs.StringVar(&o.PoolNamespace, "pool-namespace", "", "Kubernetes discovery: the pool's (or the Pods') namespace (default $POD_NAMESPACE, else default)")
+	fs.StringVar(&o.KubeSelector, "kube-selector", "", "Kubernetes discovery without an InferencePool: Pod label selector k=v[,k=v...] (with --kube-target-ports)")
+	fs.StringVar(&o.KubeTargetPorts, "kube-target-ports", "", "Kubernetes discovery without an InferencePool: worker ports of each Pod, comma list")
 	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file for the Kubernetes API server (discovery, --leader-elect); empty: in-cluster service account, else $KUBECONFIG or ~/.kube/config")
 	o.LeaderElect.AddFlags(fs)
 }
@@ -166,8 +176,8 @@ func (o *ServeOptions) Validate() error {
 	if o.StopGrace < 0 {
 		errs = append(errs, errors.New("--stop-grace must be >= 0"))
 	}
-	if o.Endpoints == "" && o.ConfigPath == "" && o.EndpointsFile == "" && o.EtcdEndpoints == "" {
-		errs = append(errs, errors.New("no workers: give --endpoints, --endpoints-file, --etcd-endpoints or --config with endpoints or a discovery source"))
+	if o.Endpoints == "" && o.ConfigPath == "" && o.EndpointsFile == "" && o.EtcdEndpoints == "" && o.PoolName == "" && o.KubeSelector == "" {
+		errs = append(errs, errors.New("no workers: give --endpoints, --endpoints-file, --etcd-endpoints, --pool-name, --kube-selector or --config with endpoints or a discovery source"))
 	}
 	if o.Endpoints != "" && o.EndpointsFile != "" {
 		errs = append(errs, errors.New("give --endpoints or --endpoints-file, not both"))
