@@ -10,6 +10,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -73,6 +74,7 @@ func TestManifestsAndChart(t *testing.T) {
 			})
 		}
 		checkPicker(t, all, "vllm-qwen3", "kvbandit", false)
+		checkServeArgs(t, "manifests/kvbandit.yaml", containerArgs(t, find(all, "Deployment", "kvbandit")))
 		checkExamples(t, all)
 	})
 
@@ -126,7 +128,8 @@ func TestManifestsAndChart(t *testing.T) {
 		{name: "standalone self-signed", set: []string{"pool.standalone=true", "pool.targetPorts={8000,8001}",
 			"pool.selector.app=sglang", "pool.selector.tier=gpu", "tls.selfSigned=true", "leaderElection.enabled=true"}, leader: true,
 			check: func(t *testing.T, args []string, objs []object) {
-				for _, f := range []string{"--kube-selector=app=sglang,tier=gpu", "--kube-target-ports=8000,8001", "--tls-self-signed"} {
+				for _, f := range []string{"--kube-selector=app=sglang,tier=gpu", "--kube-target-ports=8000,8001", "--tls-self-signed",
+					"--tls-hosts=kvb-kvbandit,kvb-kvbandit." + testNS + ",kvb-kvbandit." + testNS + ".svc,kvb-kvbandit." + testNS + ".svc.cluster.local,localhost,127.0.0.1"} {
 					if !slices.Contains(args, f) {
 						t.Errorf("args lack %s: %q", f, args)
 					}
@@ -152,6 +155,7 @@ func TestManifestsAndChart(t *testing.T) {
 				t.Fatal("no Deployment")
 			}
 			args := containerArgs(t, d)
+			checkServeArgs(t, "helm template "+tc.name, args)
 			if got := hasFlag(args, "--leader-elect"); got != tc.leader {
 				t.Errorf("--leader-elect = %v, want %v (args %q)", got, tc.leader, args)
 			}
@@ -341,8 +345,26 @@ func containerArgs(t *testing.T, d *object) []string {
 	return args
 }
 
-func hasFlag(args []string, flag string) bool {
-	return slices.ContainsFunc(args, func(a string) bool { return a == flag || strings.HasPrefix(a, flag+"=") })
+func hasFlag(args []string, name string) bool {
+	return slices.ContainsFunc(args, func(a string) bool { return a == name || strings.HasPrefix(a, name+"=") })
+}
+
+// checkServeArgs parses a Deployment's args with kvbandit serve's own flag
+// set, so a misspelt or removed flag fails here rather than in a Pod.
+func checkServeArgs(t *testing.T, src string, args []string) {
+	t.Helper()
+	if len(args) == 0 || args[0] != "serve" {
+		t.Fatalf("%s: args do not start with serve: %q", src, args)
+	}
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	var o app.ServeOptions
+	o.AddFlags(fs)
+	if err := fs.Parse(args[1:]); err != nil {
+		t.Errorf("%s: kvbandit serve rejects the args: %v (%q)", src, err, args)
+	} else if fs.NArg() > 0 {
+		t.Errorf("%s: kvbandit serve: unexpected arguments %q", src, fs.Args())
+	}
 }
 
 // configOf parses the ConfigMap's config.yaml with kvbandit's own strict
