@@ -2,7 +2,9 @@
 # build.sh NAME... — build third-party tool binaries from their tools module
 # (tools/NAME, pinned in its go.mod) into the cache, keyed by the module's
 # content so a version bump rebuilds and nothing else does. Prints each
-# binary's path. Cache: $KVBANDIT_TOOLS or ~/.cache/kvbandit/tools.
+# binary's path. Cache: $KVBANDIT_TOOLS or ~/.cache/kvbandit/tools. An
+# optional tools/NAME/ldflags file holds -ldflags (e.g. the version a binary
+# reports) and is part of the key.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cache="${KVBANDIT_TOOLS:-$HOME/.cache/kvbandit/tools}"
@@ -16,7 +18,8 @@ declare -A pkg=(
 for name in "$@"; do
   dir="$here/$name"
   [[ -n "${pkg[$name]:-}" && -f "$dir/go.mod" ]] || { echo "build.sh: unknown tool $name" >&2; exit 2; }
-  key="$(cat "$dir"/go.mod "$dir"/go.sum $(ls "$dir"/*.go 2>/dev/null) | sha256sum | cut -c1-12)"
+  key="$(cat "$dir"/go.mod "$dir"/go.sum $(ls "$dir"/*.go "$dir"/ldflags 2>/dev/null) | sha256sum | cut -c1-12)"
+  ldflags="$(cat "$dir"/ldflags 2>/dev/null || true)"
   out="$cache/$name-$key/$name"
   if [[ ! -x "$out" ]]; then
     # Test packages run in parallel and may ask for the same tool at once:
@@ -26,7 +29,7 @@ for name in "$@"; do
     flock "$lock"
     if [[ ! -x "$out" ]]; then
       echo "building $name ($key) ..." >&2
-      (cd "$dir" && GOWORK=off CGO_ENABLED=0 go build -trimpath -o "$out.tmp.$$" "${pkg[$name]}") ||
+      (cd "$dir" && GOWORK=off CGO_ENABLED=0 go build -trimpath -ldflags="$ldflags" -o "$out.tmp.$$" "${pkg[$name]}") ||
         { echo "build.sh: building $name failed" >&2; rm -f "$out.tmp.$$"; exit 1; }
       mv "$out.tmp.$$" "$out"
     fi

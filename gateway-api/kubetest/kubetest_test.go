@@ -60,6 +60,16 @@ func TestCluster(t *testing.T) {
 	client := c.Client(t)
 	dyn := c.Dynamic(t)
 
+	t.Run("Version", func(t *testing.T) {
+		v, err := client.Discovery().ServerVersion()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v.GitVersion != "v1.36.3" {
+			t.Errorf("server version %q, want v1.36.3 (tools/kube-apiserver/ldflags)", v.GitVersion)
+		}
+	})
+
 	t.Run("CRDsEstablished", func(t *testing.T) {
 		crds := dyn.Resource(schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"})
 		list, err := crds.List(ctx, metav1.ListOptions{})
