@@ -246,9 +246,11 @@ func TestKube(t *testing.T) {
 		for i := range 5 {
 			e.pod(t, fmt.Sprintf("w%d", i), fmt.Sprintf("10.1.0.%d", i+1), sim, nil)
 		}
+		start := time.Now()
 		s := run(t, kube.Config{Namespace: e.ns, Pool: "p"}, admin)
 		s.waitFor(t, "10.1.0.1:8000", "10.1.0.2:8000", "10.1.0.3:8000", "10.1.0.4:8000", "10.1.0.5:8000")
 		sets, _, _ := s.snapshot()
+		t.Logf("first set %v after Run", sets[0].at.Sub(start).Round(time.Millisecond))
 		if n := len(sets[0].set.Endpoints); n != 5 || sets[0].set.Source != "kube" {
 			t.Fatalf("first set: %d endpoints from %q, want 5 from kube", n, sets[0].set.Source)
 		}
