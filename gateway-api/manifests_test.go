@@ -13,14 +13,20 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 
 	"github.com/kvbandit/kvbandit/gateway-api/kubetest"
@@ -166,6 +172,11 @@ func TestManifestsAndChart(t *testing.T) {
 			tc.check(t, args, objs)
 		})
 	}
+
+	t.Run("rendered RBAC and args run serve", func(t *testing.T) {
+		objs := decode(t, "helm template", template(t, helm, "replicas=2", "pool.selector.app=sim"))
+		serveWithRenderedObjects(t, c, objs)
+	})
 
 	t.Run("helm template refuses bad values", func(t *testing.T) {
 		for _, set := range [][]string{
@@ -505,4 +516,137 @@ func checkExamples(t *testing.T, objs []object) {
 			}
 		}
 	}
+}
+
+// serveWithRenderedObjects proves the chart's Roles are enough: it applies
+// the rendered Roles and InferencePool for real, binds the Roles to the
+// kubetest user "kvbandit" (a token user stands in for the ServiceAccount),
+// adds one ready Pod, and runs kvbandit serve in-process with the rendered
+// Deployment's args (ports moved to loopback, the rendered config file,
+// $(POD_NAMESPACE) expanded as the kubelet does). Readiness turns SERVING only
+// once discovery has synced and, with --leader-elect, this replica holds the
+// Lease: RBAC missing anywhere would keep it NOT_SERVING or stop serve.
+func serveWithRenderedObjects(t *testing.T, c *kubetest.Cluster, objs []object) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var bindings []string
+	for _, o := range objs {
+		if o.kind() != "Role" && o.kind() != "InferencePool" {
+			continue
+		}
+		raw, _ := json.Marshal(o.m)
+		if err := c.Apply(ctx, raw, false); err != nil {
+			t.Fatalf("apply %s %s: %v", o.kind(), o.name(), err)
+		}
+		if o.kind() == "Role" {
+			bindings = append(bindings, fmt.Sprintf(`{"apiVersion":"rbac.authorization.k8s.io/v1","kind":"RoleBinding",
+"metadata":{"name":%q,"namespace":%q},"roleRef":{"apiGroup":"rbac.authorization.k8s.io","kind":"Role","name":%q},
+"subjects":[{"kind":"User","name":"kvbandit"}]}`, o.name()+"-test-user", testNS, o.name()))
+		}
+	}
+	if len(bindings) != 2 {
+		t.Fatalf("want the discovery Role and the leader-election Role, got %d Roles", len(bindings))
+	}
+	if err := c.Apply(ctx, []byte(strings.Join(bindings, "\n---\n")), false); err != nil {
+		t.Fatal(err)
+	}
+	c.CreatePod(t, testNS, "sim-0", map[string]string{"app": "sim"}, map[string]string{"kvbandit.io/engine": "vllm"})
+	c.SetPodStatus(t, testNS, "sim-0", "127.0.0.1", true)
+
+	cfg := filepath.Join(t.TempDir(), "config.yaml")
+	raw, _ := find(objs, "ConfigMap", "").get("data", "config.yaml").(string)
+	if err := os.WriteFile(cfg, []byte(raw), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	healthAddr := freeAddr(t)
+	var args []string
+	for _, a := range containerArgs(t, find(objs, "Deployment", "")) {
+		a = strings.ReplaceAll(a, "$(POD_NAMESPACE)", testNS)
+		switch {
+		case strings.HasPrefix(a, "--grpc-addr="):
+			a = "--grpc-addr=" + freeAddr(t)
+		case strings.HasPrefix(a, "--health-addr="):
+			a = "--health-addr=" + healthAddr
+		case strings.HasPrefix(a, "--metrics-addr="):
+			a = "--metrics-addr="
+		case strings.HasPrefix(a, "--config="):
+			a = "--config=" + cfg
+		}
+		args = append(args, a)
+	}
+	args = append(args, "--kubeconfig="+c.Kubeconfig(t, "kvbandit"), "--scrape-interval=0", "--log-format=text")
+
+	sctx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	var logs lockedBuffer
+	go func() { done <- app.Run(sctx, args, io.Discard, &logs) }()
+	defer func() {
+		stop()
+		select {
+		case err := <-done:
+			if err != nil && !errors.Is(err, context.Canceled) {
+				t.Errorf("serve: %v\n%s", err, logs.String())
+			}
+		case <-time.After(40 * time.Second):
+			t.Errorf("serve did not stop\n%s", logs.String())
+		}
+	}()
+
+	conn, err := grpc.NewClient(healthAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	hc := healthpb.NewHealthClient(conn)
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		select {
+		case err := <-done:
+			done <- err
+			t.Fatalf("serve stopped with the rendered args %q: %v\n%s", args, err, logs.String())
+		default:
+		}
+		cctx, ccancel := context.WithTimeout(ctx, time.Second)
+		r, err := hc.Check(cctx, &healthpb.HealthCheckRequest{Service: "readiness"})
+		ccancel()
+		if err == nil && r.GetStatus() == healthpb.HealthCheckResponse_SERVING {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("readiness not SERVING after 20s (%v %v) with the rendered RBAC and args %q\n%s", r.GetStatus(), err, args, logs.String())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	lease, err := c.Client(t).CoordinationV1().Leases(testNS).Get(ctx, release+"-kvbandit", metav1.GetOptions{})
+	if err != nil || lease.Spec.HolderIdentity == nil || *lease.Spec.HolderIdentity == "" {
+		t.Errorf("Lease %s-kvbandit not held after readiness: %v %+v", release, err, lease)
+	}
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// lockedBuffer collects serve's log output from its goroutines.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
