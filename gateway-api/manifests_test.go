@@ -88,6 +88,7 @@ func TestManifestsAndChart(t *testing.T) {
 	t.Run("helm lint", func(t *testing.T) {
 		run(t, helm, "lint", "--strict", chartDir)
 		run(t, helm, "lint", "--strict", chartDir, "--set", "replicas=2,tls.secretName=kvb-tls,tls.clientCASecretName=kvb-ca")
+		run(t, helm, "lint", "--strict", chartDir, "--set", "pool.standalone=true,tls.selfSigned=true")
 	})
 
 	cases := []struct {
