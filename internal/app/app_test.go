@@ -174,6 +174,11 @@ func TestServeLifecycle(t *testing.T) {
 	if !strings.Contains(string(body), `kvbandit_endpoint_inflight{endpoint="127.0.0.1:8001"} 0`) {
 		t.Fatalf("metrics lack the endpoint gauge:\n%s", body)
 	}
+	if resp, err := http.Get("http://" + addrs[2] + "/debug/pprof/heap?debug=1"); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("pprof: %v %v", resp, err)
+	} else {
+		resp.Body.Close()
+	}
 	cancel()
 	select {
 	case err := <-done:
