@@ -38,22 +38,14 @@ func init() {
 		if err := cmd.Run(); err != nil {
 			return nil, fmt.Errorf("building kvbandit: %w", err)
 		}
-		tools := exec.Command("bash", filepath.Join(root, "tools", "build.sh"), "kube-apiserver", "epp")
+		tools := exec.Command("bash", filepath.Join(root, "tools", "build.sh"), "epp")
 		tools.Stderr = os.Stderr
 		out, err := tools.Output()
 		paths := strings.Fields(string(out))
-		if err != nil || len(paths) != 2 {
-			return nil, fmt.Errorf("tools/build.sh kube-apiserver epp: %v", err)
+		if err != nil || len(paths) != 1 {
+			return nil, fmt.Errorf("tools/build.sh epp: %v", err)
 		}
-		crds := exec.Command("go", "mod", "download", "-json", kubetest.GIEModule)
-		crds.Dir, crds.Env = filepath.Join(root, "tools", "epp"), append(os.Environ(), "GOWORK=off")
-		js, err := crds.Output()
-		if err != nil {
-			return nil, fmt.Errorf("GIE module: %w", err)
-		}
-		dirField := strings.SplitN(strings.SplitN(string(js), `"Dir": "`, 2)[1], `"`, 2)[0]
-		return []string{envFastBin + "=" + bin, "KVBANDIT_KUBE_APISERVER=" + paths[0], "KVBANDIT_EPP=" + paths[1],
-			"KVBANDIT_GIE_CRDS=" + filepath.Join(dirField, "config", "crd", "bases"), "KVBANDIT_ETCD=" + os.Getenv(envEtcd)}, nil
+		return []string{envFastBin + "=" + bin, "KVBANDIT_EPP=" + paths[0]}, nil
 	})
 }
 
