@@ -204,19 +204,36 @@ func (s *Source) Run(ctx context.Context, sink discovery.Sink) error {
 	return r.loop(ctx)
 }
 
-// preflight lists the pods (and the pool) once, so that missing
-// permissions fail fast.
+// preflight lists and watches the pods (and the pool) once, so that
+// missing permissions (any of get/list/watch) fail fast rather than leave
+// the informers retrying silently.
 func (s *Source) preflight(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, preflightTimeout)
 	defer cancel()
-	if _, err := s.kube.CoreV1().Pods(s.cfg.Namespace).List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
+	pods := s.kube.CoreV1().Pods(s.cfg.Namespace)
+	if _, err := pods.List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
 		return err
 	}
+	one := int64(1)
+	w, err := pods.Watch(ctx, metav1.ListOptions{TimeoutSeconds: &one})
+	if err != nil {
+		return err
+	}
+	w.Stop()
 	if s.cfg.Pool == "" {
 		return nil
 	}
-	_, err := s.dyn.Resource(PoolGVR).Namespace(s.cfg.Namespace).List(ctx, metav1.ListOptions{Limit: 1, FieldSelector: "metadata.name=" + s.cfg.Pool})
-	return err
+	sel := metav1.ListOptions{Limit: 1, FieldSelector: "metadata.name=" + s.cfg.Pool}
+	if _, err := s.dyn.Resource(PoolGVR).Namespace(s.cfg.Namespace).List(ctx, sel); err != nil {
+		return err
+	}
+	sel.Limit, sel.TimeoutSeconds = 0, &one
+	pw, err := s.dyn.Resource(PoolGVR).Namespace(s.cfg.Namespace).Watch(ctx, sel)
+	if err != nil {
+		return err
+	}
+	pw.Stop()
+	return nil
 }
 
 // fatal reports whether a preflight error is a configuration problem that

@@ -497,6 +497,36 @@ func TestKube(t *testing.T) {
 		if err := src.Run(t.Context(), &recSink{}); err == nil || !strings.Contains(err.Error(), "forbidden") {
 			t.Fatalf("Run as kvbandit in another namespace: %v", err)
 		}
+		// A Role without watch is refused at start too (the informers
+		// would otherwise retry their watches silently).
+		noWatch := &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Name: "no-watch", Namespace: e.ns}, Rules: []rbacv1.PolicyRule{
+			{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list"}},
+			{APIGroups: []string{"inference.networking.k8s.io"}, Resources: []string{"inferencepools"}, Verbs: []string{"get", "list"}},
+		}}
+		if _, err := cs.RbacV1().Roles(e.ns).Create(t.Context(), noWatch, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		rb2 := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "no-watch", Namespace: e.ns},
+			RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: noWatch.Name},
+			Subjects: []rbacv1.Subject{{Kind: "User", APIGroup: "rbac.authorization.k8s.io", Name: "kvbandit-2"}}}
+		if _, err := cs.RbacV1().RoleBindings(e.ns).Create(t.Context(), rb2, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		deadline = time.Now().Add(10 * time.Second)
+		for {
+			src, err := kube.New(kube.Config{Namespace: e.ns, Pool: "p"}, kube.Deps{Config: c.UserConfig("kvbandit-2")})
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = src.Run(t.Context(), &recSink{})
+			if err != nil && strings.Contains(err.Error(), "forbidden") && strings.Contains(err.Error(), "watch") {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("Run with get/list but no watch: %v", err)
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
 	})
 
 	t.Run("Churn", func(t *testing.T) { churn(t, c, newEnv(t, c)) })
