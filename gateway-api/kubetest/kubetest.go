@@ -33,6 +33,7 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"github.com/kvbandit/kvbandit/internal/toolstest"
 	"io"
 	"math/big"
 	"net"
@@ -67,8 +68,6 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd/etcdtest"
 )
-
-const modulePath = "github.com/kvbandit/kvbandit"
 
 // FieldManager is the server-side apply field manager of Apply.
 const FieldManager = "kvbandit-test"
@@ -118,7 +117,7 @@ func Start(t testing.TB) *Cluster {
 	begin := time.Now()
 	bin := Tool(t, "kube-apiserver")
 	crds := CRDDir(t)
-	c := &Cluster{t: t, bin: bin, dir: t.TempDir(), port: freePort(t)}
+	c := &Cluster{t: t, bin: bin, dir: t.TempDir(), port: toolstest.FreePort(t)}
 	c.etcd = etcdtest.Start(t)
 	etcdUp := time.Now()
 	c.writeFiles()
@@ -347,41 +346,13 @@ func (c *Cluster) Apply(ctx context.Context, manifests []byte, dryRun bool) erro
 	}
 }
 
-// Tool returns the path of a tools binary (kube-apiserver, helm, epp, etcd,
-// llm-d-inference-sim): the value of KVBANDIT_<NAME> (upper case, "-" as
-// "_") when set, otherwise built or found in the cache by tools/build.sh.
-func Tool(t testing.TB, name string) string {
-	t.Helper()
-	env := "KVBANDIT_" + strings.ToUpper(strings.ReplaceAll(name, "-", "_"))
-	if bin := os.Getenv(env); bin != "" {
-		if fi, err := os.Stat(bin); err != nil || fi.IsDir() {
-			t.Fatalf("kubetest: %s=%q: not a file (%v)", env, bin, err)
-		}
-		return bin
-	}
-	root := repoRoot(t)
-	cmd := exec.Command("bash", filepath.Join(root, "tools", "build.sh"), name)
-	cmd.Dir = root
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("kubetest: tools/build.sh %s: %v\n%s", name, err, stderr.String())
-	}
-	lines := strings.Fields(strings.TrimSpace(string(out)))
-	if len(lines) == 0 {
-		t.Fatalf("kubetest: tools/build.sh %s printed no path\n%s", name, stderr.String())
-	}
-	bin := lines[len(lines)-1]
-	if fi, err := os.Stat(bin); err != nil || fi.IsDir() {
-		t.Fatalf("kubetest: %s binary %q: %v", name, bin, err)
-	}
-	return bin
-}
-
 // GIEModule is the module whose config/crd/bases holds the CRDs; its version
 // is the one pinned in tools/epp/go.mod.
 const GIEModule = "sigs.k8s.io/gateway-api-inference-extension"
+
+// Tool returns the path of a tools binary (kube-apiserver, helm, epp, etcd,
+// llm-d-inference-sim); see [toolstest.Tool].
+func Tool(t testing.TB, name string) string { t.Helper(); return toolstest.Tool(t, name) }
 
 // CRDDir returns the directory of the GIE CRD manifests: KVBANDIT_GIE_CRDS
 // when set, otherwise config/crd/bases of the module pinned in tools/epp,
@@ -392,7 +363,7 @@ func CRDDir(t testing.TB) string {
 		return dir
 	}
 	cmd := exec.Command("go", "mod", "download", "-json", GIEModule)
-	cmd.Dir = filepath.Join(repoRoot(t), "tools", "epp")
+	cmd.Dir = filepath.Join(toolstest.RepoRoot(t), "tools", "epp")
 	cmd.Env = append(os.Environ(), "GOWORK=off")
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
@@ -684,46 +655,6 @@ func ctx(t testing.TB) context.Context {
 	c, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	t.Cleanup(cancel)
 	return c
-}
-
-// repoRoot walks up from the working directory to the go.mod of the
-// kvbandit module.
-func repoRoot(t testing.TB) string {
-	t.Helper()
-	dir, err := os.Getwd()
-	if err != nil {
-		t.Fatalf("kubetest: %v", err)
-	}
-	for {
-		data, err := os.ReadFile(filepath.Join(dir, "go.mod"))
-		if err == nil && modFileIs(data, modulePath) {
-			return dir
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			t.Fatalf("kubetest: no go.mod of module %s above the working directory", modulePath)
-		}
-		dir = parent
-	}
-}
-
-func modFileIs(data []byte, module string) bool {
-	for line := range strings.SplitSeq(string(data), "\n") {
-		if f := strings.Fields(line); len(f) == 2 && f[0] == "module" {
-			return strings.Trim(f[1], `"`) == module
-		}
-	}
-	return false
-}
-
-func freePort(t testing.TB) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("kubetest: %v", err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }
 
 type lockedWriter struct {

@@ -7,11 +7,9 @@ package etcdtest
 import (
 	"bytes"
 	"context"
-	"net"
+	"github.com/kvbandit/kvbandit/internal/toolstest"
 	"net/http"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -22,8 +20,6 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 )
-
-const modulePath = "github.com/kvbandit/kvbandit"
 
 // Server is one etcd process. Kill and Restart may be called from the test
 // goroutine; they are not meant to race with each other.
@@ -46,7 +42,7 @@ type Server struct {
 // fails the test; it never skips.
 func Start(t testing.TB) *Server {
 	t.Helper()
-	s := &Server{t: t, bin: Binary(t), dataDir: t.TempDir(), client: freePort(t), peer: freePort(t)}
+	s := &Server{t: t, bin: Binary(t), dataDir: t.TempDir(), client: toolstest.FreePort(t), peer: toolstest.FreePort(t)}
 	t.Cleanup(func() {
 		s.stop()
 		if t.Failed() {
@@ -59,68 +55,11 @@ func Start(t testing.TB) *Server {
 	return s
 }
 
-// Binary returns the path of the etcd binary, building it with
-// tools/build.sh when it is not cached yet.
+// Binary returns the path of the etcd binary (KVBANDIT_ETCD, or built
+// and cached by tools/build.sh).
 func Binary(t testing.TB) string {
 	t.Helper()
-	root := repoRoot(t)
-	cmd := exec.Command("bash", filepath.Join(root, "tools", "build.sh"), "etcd")
-	cmd.Dir = root
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("etcdtest: tools/build.sh etcd: %v\n%s", err, stderr.String())
-	}
-	lines := strings.Fields(strings.TrimSpace(string(out)))
-	if len(lines) == 0 {
-		t.Fatalf("etcdtest: tools/build.sh etcd printed no path\n%s", stderr.String())
-	}
-	bin := lines[len(lines)-1]
-	if fi, err := os.Stat(bin); err != nil || fi.IsDir() {
-		t.Fatalf("etcdtest: etcd binary %q: %v", bin, err)
-	}
-	return bin
-}
-
-// repoRoot walks up from the working directory to the go.mod of the
-// kvbandit module.
-func repoRoot(t testing.TB) string {
-	t.Helper()
-	dir, err := os.Getwd()
-	if err != nil {
-		t.Fatalf("etcdtest: %v", err)
-	}
-	for {
-		data, err := os.ReadFile(filepath.Join(dir, "go.mod"))
-		if err == nil && modFileIs(data, modulePath) {
-			return dir
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			t.Fatalf("etcdtest: no go.mod of module %s above the working directory", modulePath)
-		}
-		dir = parent
-	}
-}
-
-func modFileIs(data []byte, module string) bool {
-	for line := range strings.SplitSeq(string(data), "\n") {
-		if f := strings.Fields(line); len(f) == 2 && f[0] == "module" {
-			return strings.Trim(f[1], `"`) == module
-		}
-	}
-	return false
-}
-
-func freePort(t testing.TB) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("etcdtest: %v", err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return toolstest.Tool(t, "etcd")
 }
 
 // Addr is the client address, "127.0.0.1:port".
