@@ -109,3 +109,15 @@ func runVersion(_ context.Context, args []string, stdout, _ io.Writer) error {
 	fmt.Fprintln(stdout, "kvbandit", Version())
 	return nil
 }
+
+// parseFlags parses a subcommand's flags: -h/--help passes flag.ErrHelp
+// through (exit 0 after the usage), any other parse error is a usage error.
+func parseFlags(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	return nil
+}

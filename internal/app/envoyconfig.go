@@ -2,7 +2,6 @@ package app
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -25,11 +24,8 @@ func runEnvoyConfig(_ context.Context, args []string, stdout, stderr io.Writer) 
 	mode := fs.String("body-mode", "full-duplex", "request body mode: full-duplex | buffered")
 	maxBody := fs.Int64("max-body-bytes", envoy.DefaultMaxBodyBytes, "buffer limit for buffered mode (keep = serve --max-body-bytes)")
 	msgTimeout := fs.Duration("message-timeout", envoy.DefaultMessageTimeout, "ext_proc message_timeout (keep > serve --decision-timeout)")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
-		}
-		return fmt.Errorf("%w: %w", ErrUsage, err)
+	if err := parseFlags(fs, args); err != nil {
+		return err
 	}
 	if *endpoints == "" {
 		return fmt.Errorf("%w: --endpoints is required", ErrUsage)

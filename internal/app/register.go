@@ -2,7 +2,6 @@ package app
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -197,11 +196,8 @@ func runRegister(ctx context.Context, args []string, _, stderr io.Writer) error 
 		fmt.Fprintf(stderr, "%s\n\nWait until the worker answers 200 on --health-url, then keep its endpoint record at\n<prefix>/<pool>/endpoints/<id> in etcd under a lease until stopped (SIGTERM), and delete it.\n\nFlags:\n", registerUsage)
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
-		}
-		return fmt.Errorf("%w: %w", ErrUsage, err)
+	if err := parseFlags(fs, args); err != nil {
+		return err
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("%w: unexpected arguments %q; %s", ErrUsage, fs.Args(), registerUsage)

@@ -3,7 +3,6 @@ package app
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -32,11 +31,8 @@ func runTokenize(ctx context.Context, args []string, stdin io.Reader, stdout, st
 	fs.SetOutput(stderr)
 	path := fs.String("tokenizer", "", "tokenizer.json or a model directory (required)")
 	chatMode := fs.Bool("chat", false, "stdin is an OpenAI chat completion request: render the model's chat template with the generation prompt, then tokenize")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
-		}
-		return fmt.Errorf("%w: %w", ErrUsage, err)
+	if err := parseFlags(fs, args); err != nil {
+		return err
 	}
 	if *path == "" || fs.NArg() > 0 {
 		return fmt.Errorf("%w: usage: kvbandit tokenize --tokenizer PATH [--chat] < input", ErrUsage)
