@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
@@ -108,5 +109,16 @@ func TestKubeInferencePoolEndToEnd(t *testing.T) {
 	k.waitEndpoints(t, hosts[:1], 10*time.Second)
 	if got := sendN(4, "c"); got[hosts[0]] != 4 {
 		t.Fatalf("after not-ready: %v", got)
+	}
+	// No ready Pod at all: the picker answers 503 and stays ready (an
+	// empty pool must not eject the picker from the gateway).
+	c.SetPodStatus(t, ns, "sim-0", "127.0.0.2", false)
+	k.waitEndpoints(t, nil, 10*time.Second)
+	body, _ := json.Marshal(map[string]any{"model": simworker.DefaultModel, "messages": []map[string]string{{"role": "user", "content": "hello"}}})
+	if r := send(t, cl, "POST", px.URL()+"/v1/chat/completions", body, nil); r.status != 503 {
+		t.Fatalf("empty pool: %d %s", r.status, r.body)
+	}
+	if st := k.readiness(t); st != healthpb.HealthCheckResponse_SERVING {
+		t.Fatalf("readiness with an empty pool: %v", st)
 	}
 }
