@@ -27,7 +27,10 @@ type Metrics struct {
 }
 
 var latencyBuckets = []float64{.00005, .0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5}
-var requestBuckets = []float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300}
+
+// RequestBuckets are the histogram buckets (seconds) of whole-request
+// timings (TTFT, request duration), shared with the standalone proxy.
+var RequestBuckets = []float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300}
 
 // NewMetrics registers the metrics with reg (a private registry when nil).
 // bufferedBytes reports the bytes buffered across streams.
@@ -60,12 +63,12 @@ func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metric
 		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvbandit_ttft_seconds",
 			Help:    "Time from the routing decision to the first response chunk carrying generated content.",
-			Buckets: requestBuckets,
+			Buckets: RequestBuckets,
 		}),
 		latency: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvbandit_request_duration_seconds",
 			Help:    "Time from the routing decision to the end of the response.",
-			Buckets: requestBuckets,
+			Buckets: RequestBuckets,
 		}),
 		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbandit_decision_outcomes_total",
@@ -101,7 +104,7 @@ func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metric
 	m.phaseTotal = m.phase.WithLabelValues("total")
 	m.tokensRouted = m.tokens.WithLabelValues("prompt_routed")
 	// Pre-create the common series so dashboards see zeros.
-	for _, p := range []string{pathChat, pathCompletions, pathModels, pathOther} {
+	for _, p := range []string{pathChat, pathCompletions, pathModels, PathOther} {
 		for _, c := range []string{"2xx", "4xx", "5xx"} {
 			m.requests.WithLabelValues(p, c)
 		}
@@ -114,10 +117,13 @@ const (
 	pathChat        = "chat_completions"
 	pathCompletions = "completions"
 	pathModels      = "models"
-	pathOther       = "other"
+	// PathOther is the class of every path that is not an OpenAI
+	// completion or /v1/models.
+	PathOther = "other"
 )
 
-func codeClass(status int) string {
+// CodeClass is the status-class label of an HTTP status ("none" for 0).
+func CodeClass(status int) string {
 	switch {
 	case status == 0:
 		return "none"

@@ -718,10 +718,12 @@ func (p *processor) count(status int) {
 		return
 	}
 	p.counted = true
-	p.s.metrics.requests.WithLabelValues(pathClass(p.kind, p.path), codeClass(status)).Inc()
+	p.s.metrics.requests.WithLabelValues(PathClass(p.kind, p.path), CodeClass(status)).Inc()
 }
 
-func pathClass(k openai.Kind, path string) string {
+// PathClass is the path label of a request: its OpenAI kind, /v1/models,
+// or other.
+func PathClass(k openai.Kind, path string) string {
 	switch k {
 	case openai.KindChat:
 		return pathChat
@@ -731,7 +733,7 @@ func pathClass(k openai.Kind, path string) string {
 	if path, _, _ = strings.Cut(path, "?"); path == "/v1/models" {
 		return pathModels
 	}
-	return pathOther
+	return PathOther
 }
 
 // endOfStream handles Envoy half-closing the stream.

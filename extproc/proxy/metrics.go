@@ -3,7 +3,7 @@ package proxy
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/kvbandit/kvbandit/extproc/openai"
+	"github.com/kvbandit/kvbandit/extproc"
 )
 
 // metrics are the proxy's Prometheus metrics (kvbandit_proxy_*). Label
@@ -18,27 +18,9 @@ type metrics struct {
 	tokensRouted       prometheus.Counter
 }
 
-// Path classes for labels.
-const (
-	pathChat        = "chat_completions"
-	pathCompletions = "completions"
-	pathModels      = "models"
-	pathRoute       = "route"
-	pathOther       = "other"
-)
-
-func pathClass(k openai.Kind, path string) string {
-	switch k {
-	case openai.KindChat:
-		return pathChat
-	case openai.KindCompletion:
-		return pathCompletions
-	}
-	if path == "/v1/models" {
-		return pathModels
-	}
-	return pathOther
-}
+// pathRoute is the label of /v1/route; the other path classes are the
+// ext_proc server's (extproc.PathClass).
+const pathRoute = "route"
 
 func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 	if reg == nil {
@@ -60,7 +42,7 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvbandit_proxy_ttft_seconds",
 			Help:    "Proxied requests: time from the routing decision to the first response chunk carrying generated content.",
-			Buckets: []float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300},
+			Buckets: extproc.RequestBuckets,
 		}),
 		hintProblems: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbandit_proxy_hint_problems_total",
@@ -84,21 +66,5 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 }
 
 func (m *metrics) request(path string, status int) {
-	m.requests.WithLabelValues(path, codeClass(status)).Inc()
-}
-
-func codeClass(status int) string {
-	switch {
-	case status == 0:
-		return "none"
-	case status < 200:
-		return "1xx"
-	case status < 300:
-		return "2xx"
-	case status < 400:
-		return "3xx"
-	case status < 500:
-		return "4xx"
-	}
-	return "5xx"
+	m.requests.WithLabelValues(path, extproc.CodeClass(status)).Inc()
 }

@@ -214,7 +214,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case strings.HasPrefix(r.URL.Path, "/v1/"):
 		p.forward(w, r)
 	default:
-		p.fail(w, pathOther, fmt.Errorf("%w: %s", ErrNotFound, r.URL.Path))
+		p.fail(w, extproc.PathOther, fmt.Errorf("%w: %s", ErrNotFound, r.URL.Path))
 	}
 }
 
@@ -296,7 +296,7 @@ func (p *Proxy) build(ctx context.Context, r *http.Request, kind openai.Kind, bo
 // forward routes and proxies one request.
 func (p *Proxy) forward(w http.ResponseWriter, r *http.Request) {
 	kind := openai.KindOf(r.URL.Path)
-	path := pathClass(kind, r.URL.Path)
+	path := extproc.PathClass(kind, r.URL.Path)
 	if p.stopCtx.Err() != nil {
 		p.fail(w, path, errStopped)
 		return
