@@ -630,24 +630,7 @@ func (c *Cluster) signal(sig syscall.Signal, grace time.Duration) {
 	c.mu.Lock()
 	cmd, done := c.cmd, c.done
 	c.mu.Unlock()
-	if cmd == nil {
-		return
-	}
-	select {
-	case <-done:
-		return
-	default:
-	}
-	_ = cmd.Process.Signal(sig)
-	if grace > 0 {
-		select {
-		case <-done:
-			return
-		case <-time.After(grace):
-			_ = cmd.Process.Kill()
-		}
-	}
-	<-done
+	toolstest.Stop(cmd, done, sig, grace)
 }
 
 // ctx is a context for one API call of a helper: the test's, with a timeout.

@@ -13,7 +13,9 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 )
 
 // modulePath is the module whose go.mod marks the repository root.
@@ -88,4 +90,28 @@ func FreePort(t testing.TB) int {
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port
+}
+
+// Stop signals a process started by a test and waits for done (closed when
+// its Wait returned): sig first, then, when grace > 0 and it is still
+// running after grace, SIGKILL. A nil cmd or an exited process is a no-op.
+func Stop(cmd *exec.Cmd, done <-chan struct{}, sig syscall.Signal, grace time.Duration) {
+	if cmd == nil {
+		return
+	}
+	select {
+	case <-done:
+		return
+	default:
+	}
+	_ = cmd.Process.Signal(sig)
+	if grace > 0 {
+		select {
+		case <-done:
+			return
+		case <-time.After(grace):
+			_ = cmd.Process.Kill()
+		}
+	}
+	<-done
 }

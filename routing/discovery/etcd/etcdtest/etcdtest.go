@@ -155,24 +155,7 @@ func (s *Server) signal(sig syscall.Signal, grace time.Duration) {
 	s.mu.Lock()
 	cmd, done := s.cmd, s.done
 	s.mu.Unlock()
-	if cmd == nil {
-		return
-	}
-	select {
-	case <-done:
-		return
-	default:
-	}
-	_ = cmd.Process.Signal(sig)
-	if grace > 0 {
-		select {
-		case <-done:
-			return
-		case <-time.After(grace):
-			_ = cmd.Process.Kill()
-		}
-	}
-	<-done
+	toolstest.Stop(cmd, done, sig, grace)
 }
 
 // Client returns a client of the server, closed when the test ends.
