@@ -174,8 +174,10 @@ func TestServeLifecycle(t *testing.T) {
 	if !strings.Contains(string(body), `kvbandit_endpoint_inflight{endpoint="127.0.0.1:8001"} 0`) {
 		t.Fatalf("metrics lack the endpoint gauge:\n%s", body)
 	}
-	if resp, err := http.Get("http://" + addrs[2] + "/debug/pprof/heap?debug=1"); err != nil || resp.StatusCode != 200 {
-		t.Fatalf("pprof: %v %v", resp, err)
+	// The profiler is off unless --pprof asks for it (it exposes heap
+	// contents).
+	if resp, err := http.Get("http://" + addrs[2] + "/debug/pprof/heap?debug=1"); err != nil || resp.StatusCode != http.StatusNotFound {
+		t.Fatalf("pprof without --pprof: %v %v, want 404", resp, err)
 	} else {
 		resp.Body.Close()
 	}
@@ -310,4 +312,23 @@ func TestTokenizeCommand(t *testing.T) {
 	if err := RunIO(t.Context(), []string{"tokenize", "--tokenizer", tok, "--chat"}, strings.NewReader("{"), io.Discard, io.Discard); err == nil {
 		t.Fatal("bad chat JSON accepted")
 	}
+}
+
+// FuzzParseConfig: a config file either fails with an error or parses into
+// a config that validates (ParseConfig never panics).
+func FuzzParseConfig(f *testing.F) {
+	f.Add([]byte("router:\n  block_size: 16\nendpoints:\n  - address: 10.0.0.1:8000\n    models: [m]\n"))
+	f.Add([]byte("kvbandit:\n  speed:\n    forget: 0.5\nthompson:\n  lints:\n    forget_rate: 0.9\n"))
+	f.Add([]byte("discovery:\n  etcd:\n    endpoints: [127.0.0.1:2379]\n"))
+	f.Add([]byte("a: &a [x, x]\nb: &b [*a, *a]\n"))
+	f.Add([]byte("{\"router\": {\"block_size\": 32}}"))
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		c, err := ParseConfig(raw)
+		if err != nil {
+			return
+		}
+		if err := c.Validate(); err != nil {
+			t.Fatalf("ParseConfig accepted a config that fails Validate: %v", err)
+		}
+	})
 }

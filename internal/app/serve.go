@@ -2,7 +2,6 @@ package app
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -10,7 +9,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/http/pprof"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,7 +17,6 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -84,6 +81,8 @@ type ServeOptions struct {
 	ScrapeTimeout     time.Duration
 	// TLS are the --tls-* flags (internal/app/tls.go).
 	TLS tlsconfig.Options
+	// Admin are the admin and health ports' flags (internal/app/admin.go).
+	Admin AdminOptions
 	// Kubeconfig is the API server client configuration file shared by
 	// the Kubernetes features (empty: in-cluster, then $KUBECONFIG).
 	Kubeconfig string
@@ -136,6 +135,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.LogLevel, "log-level", "info", "debug | info | warn | error")
 	fs.StringVar(&o.LogFormat, "log-format", "text", "text | json")
 	o.TLS.AddFlags(fs)
+	o.Admin.AddFlags(fs)
 	fs.StringVar(&o.PoolName, "pool-name", "", "discover workers from this Gateway API Inference Extension InferencePool and the Pods it selects (Pod annotations: routing/discovery/kube)")
 	fs.StringVar(&o.PoolNamespace, "pool-namespace", "", "Kubernetes discovery: the pool's (or the Pods') namespace (default $POD_NAMESPACE, else default)")
 	fs.StringVar(&o.KubeSelector, "kube-selector", "", "Kubernetes discovery without an InferencePool: Pod label selector k=v[,k=v...] (with --kube-target-ports)")
@@ -192,6 +192,7 @@ func (o *ServeOptions) Validate() error {
 	if err := o.TLS.Validate(); err != nil {
 		errs = append(errs, err)
 	}
+	errs = append(errs, o.Admin.Validate(o.TLS)...)
 	if err := o.LeaderElect.Validate(); err != nil {
 		errs = append(errs, err)
 	}
@@ -447,7 +448,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	reflection.Register(gs)
 
 	hs := health.NewServer()
-	hgs := grpc.NewServer()
+	hgs := grpc.NewServer(healthServerOptions(o.Admin, tlsSrc)...)
 	healthpb.RegisterHealthServer(hgs, hs)
 	reflection.Register(hgs)
 	setReady := func(ready bool) {
@@ -485,33 +486,10 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 			hl.Close()
 			return fmt.Errorf("--metrics-addr: %w", err)
 		}
-		mux := http.NewServeMux()
-		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
-		// Go's profiler on the admin port (bind --metrics-addr to a private
-		// address): go tool pprof http://ADDR/debug/pprof/profile
-		mux.HandleFunc("/debug/pprof/", pprof.Index)
-		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
-		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
-		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-		mux.HandleFunc("/debug/endpoints", func(w http.ResponseWriter, _ *http.Request) {
-			type row struct {
-				routing.Endpoint
-				InFlight  int64               `json:"inflight"`
-				Decisions int64               `json:"decisions"`
-				Health    routing.Health      `json:"health"`
-				Scraped   []routing.ModelName `json:"scraped_adapters,omitempty"`
-			}
-			var rows []row
-			now := engine.Clock().Now()
-			for _, st := range engine.Endpoints() {
-				rows = append(rows, row{st.Endpoint, st.InFlight.Load(), st.Decisions.Load(), st.Health(now), st.ScrapedAdapters()})
-			}
-			w.Header().Set("content-type", "application/json")
-			st := hub.Stats()
-			json.NewEncoder(w).Encode(map[string]any{"policy": pol.Name(), "endpoints": rows, "streams": ep.Streams(),
-				"discovery": map[string]any{"source": st.Source, "desired": st.Endpoints, "pickable": st.Pickable, "lingering": st.Lingering, "degraded": st.Degraded}})
-		})
-		hsrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		if o.Admin.TLS {
+			ml = httpTLS(ml, tlsSrc)
+		}
+		hsrv = newAdminServer(o.Admin, adminState{reg: reg, engine: engine, hub: hub, policy: pol.Name(), ep: ep})
 	}
 	var pl net.Listener
 	var psrv *http.Server

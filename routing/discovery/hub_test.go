@@ -338,3 +338,18 @@ func FuzzDecodeRecord(f *testing.F) {
 		}
 	})
 }
+
+func FuzzParseEndpointsFile(f *testing.F) {
+	f.Add([]byte("- address: 10.0.0.1:80\n  engine: vllm\n  models: [m]\n- address: 10.0.0.2:80\n"))
+	f.Add([]byte(`{"endpoints":[{"address":"[::1]:1","labels":{"a":"b"}}]}`))
+	f.Add([]byte("a: &a [x, x, x]\nb: &b [*a, *a, *a]\nendpoints: [*b, *b]\n"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		set, err := discovery.ParseEndpointsFile(data, nil)
+		if err != nil {
+			return
+		}
+		if err := set.Validate(); err != nil {
+			t.Fatalf("parsed set fails validation: %v", err)
+		}
+	})
+}

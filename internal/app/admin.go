@@ -1,0 +1,116 @@
+package app
+
+import (
+	"encoding/json"
+	"errors"
+	"flag"
+	"net/http"
+	"net/http/pprof"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"google.golang.org/grpc"
+
+	"github.com/kvbandit/kvbandit/extproc"
+	"github.com/kvbandit/kvbandit/internal/tlsconfig"
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/discovery"
+)
+
+// AdminOptions are the flags of the admin (--metrics-addr) and health
+// (--health-addr) ports.
+type AdminOptions struct {
+	// TLS serves the admin port over the --tls-* certificate (and requires
+	// client certificates when --tls-client-ca is set).
+	TLS bool
+	// HealthTLS serves the gRPC health port over the --tls-* certificate.
+	// Off by default: the kubelet's gRPC probes cannot speak TLS.
+	HealthTLS bool
+	// Pprof mounts Go's profiler under /debug/pprof/ on the admin port.
+	Pprof bool
+}
+
+// AddFlags registers the options on fs.
+func (o *AdminOptions) AddFlags(fs *flag.FlagSet) {
+	fs.BoolVar(&o.TLS, "admin-tls", false, "serve the admin port (--metrics-addr: /metrics, /debug/*) with the --tls-* certificate; with --tls-client-ca, scrapers must present a client certificate")
+	fs.BoolVar(&o.HealthTLS, "health-tls", false, "serve the gRPC health port (--health-addr) with the --tls-* certificate (the kubelet's gRPC probes cannot use TLS: leave it off for them)")
+	fs.BoolVar(&o.Pprof, "pprof", false, "mount Go's profiler under /debug/pprof/ on the admin port (it exposes heap contents and can cost CPU: keep the port private)")
+}
+
+// Validate checks that TLS is configured when a port asks for it.
+func (o AdminOptions) Validate(t tlsconfig.Options) []error {
+	var errs []error
+	if o.TLS && !t.Enabled() {
+		errs = append(errs, errors.New("--admin-tls needs TLS: give --tls-cert/--tls-key or --tls-self-signed"))
+	}
+	if o.HealthTLS && !t.Enabled() {
+		errs = append(errs, errors.New("--health-tls needs TLS: give --tls-cert/--tls-key or --tls-self-signed"))
+	}
+	return errs
+}
+
+// Admin-port HTTP limits: requests are small GETs; /debug/pprof/profile
+// and /debug/pprof/trace stream for up to their ?seconds= (30 s default).
+const (
+	adminReadHeaderTimeout = 5 * time.Second
+	adminWriteTimeout      = 2 * time.Minute
+	adminIdleTimeout       = time.Minute
+	adminMaxHeaderBytes    = 16 << 10
+)
+
+// adminState is what the admin pages read.
+type adminState struct {
+	reg    *prometheus.Registry
+	engine *routing.Engine
+	hub    *discovery.Hub
+	policy string
+	ep     *extproc.Server
+}
+
+// newAdminServer returns the admin HTTP server: /metrics, /debug/endpoints
+// and, with --pprof, /debug/pprof/.
+func newAdminServer(o AdminOptions, st adminState) *http.Server {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(st.reg, promhttp.HandlerOpts{Registry: st.reg}))
+	if o.Pprof {
+		// go tool pprof http://ADDR/debug/pprof/profile
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
+	mux.HandleFunc("/debug/endpoints", st.endpoints)
+	return &http.Server{Handler: mux, ReadHeaderTimeout: adminReadHeaderTimeout, WriteTimeout: adminWriteTimeout,
+		IdleTimeout: adminIdleTimeout, MaxHeaderBytes: adminMaxHeaderBytes}
+}
+
+// endpoints serves /debug/endpoints: the endpoint set with in-flight
+// requests, decisions and health per worker, and the discovery state.
+func (st adminState) endpoints(w http.ResponseWriter, _ *http.Request) {
+	type row struct {
+		routing.Endpoint
+		InFlight  int64               `json:"inflight"`
+		Decisions int64               `json:"decisions"`
+		Health    routing.Health      `json:"health"`
+		Scraped   []routing.ModelName `json:"scraped_adapters,omitempty"`
+	}
+	var rows []row
+	now := st.engine.Clock().Now()
+	for _, e := range st.engine.Endpoints() {
+		rows = append(rows, row{e.Endpoint, e.InFlight.Load(), e.Decisions.Load(), e.Health(now), e.ScrapedAdapters()})
+	}
+	w.Header().Set("content-type", "application/json")
+	ds := st.hub.Stats()
+	_ = json.NewEncoder(w).Encode(map[string]any{"policy": st.policy, "endpoints": rows, "streams": st.ep.Streams(),
+		"discovery": map[string]any{"source": ds.Source, "desired": ds.Endpoints, "pickable": ds.Pickable, "lingering": ds.Lingering, "degraded": ds.Degraded}})
+}
+
+// healthServerOptions are the gRPC health server's options: TLS with
+// --health-tls.
+func healthServerOptions(o AdminOptions, src *tlsconfig.Source) []grpc.ServerOption {
+	if !o.HealthTLS {
+		return nil
+	}
+	return []grpc.ServerOption{grpcTLS(src)}
+}
