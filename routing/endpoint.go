@@ -96,13 +96,43 @@ type EndpointSet struct {
 // ErrInvalidEndpointSet is wrapped by every [EndpointSet.Validate] error.
 var ErrInvalidEndpointSet = errors.New("invalid endpoint set")
 
+// Limits of an endpoint set. Discovery records come from files, etcd and
+// Pod annotations that someone other than the operator may write: every
+// count and length that turns into memory is bounded, well above what a
+// real fleet declares.
+const (
+	// MaxEndpoints is the largest set (all sources, after expansion).
+	MaxEndpoints = 16384
+	// MaxDataParallelSize bounds data_parallel_size (state is kept per rank).
+	MaxDataParallelSize = 1024
+	// MaxBlockSize bounds block_size in tokens.
+	MaxBlockSize = 1 << 16
+	// MaxModels bounds an endpoint's models and, separately, its adapters.
+	MaxModels = 4096
+	// MaxNameBytes bounds one model or adapter name.
+	MaxNameBytes = 512
+	// MaxLabels bounds an endpoint's labels.
+	MaxLabels = 256
+	// MaxLabelBytes bounds one label's key and its value.
+	MaxLabelBytes = 1024
+	// MaxURLBytes bounds kv_events, kv_events_replay and metrics_url.
+	MaxURLBytes = 2048
+)
+
 // Validate checks the set before it is published: every key is a literal
-// "ip:port" with a non-zero port, keys are unique and canonical, and numeric
-// fields are not negative. It fills each endpoint's parsed address.
+// "ip:port" with a non-zero port, keys are unique and canonical, numeric
+// fields are not negative, and counts and lengths are within the limits
+// above. It fills each endpoint's parsed address.
 func (s *EndpointSet) Validate() error {
+	if len(s.Endpoints) > MaxEndpoints {
+		return fmt.Errorf("%w: %d endpoints (at most %d)", ErrInvalidEndpointSet, len(s.Endpoints), MaxEndpoints)
+	}
 	seen := make(map[EndpointKey]struct{}, len(s.Endpoints))
 	for i := range s.Endpoints {
 		e := &s.Endpoints[i]
+		if err := e.checkLimits(); err != nil {
+			return fmt.Errorf("%w: endpoint %d: %w", ErrInvalidEndpointSet, i, err)
+		}
 		ap, err := ParseAddrPort(string(e.Key))
 		if err != nil {
 			return fmt.Errorf("%w: endpoint %d: %w", ErrInvalidEndpointSet, i, err)
@@ -127,6 +157,38 @@ func (s *EndpointSet) Validate() error {
 			return fmt.Errorf("%w: endpoint %q: unknown engine %q (want vllm or sglang)", ErrInvalidEndpointSet, e.Key, e.Engine)
 		}
 		e.addr = ap
+	}
+	return nil
+}
+
+// checkLimits checks the endpoint's counts and lengths against the set's
+// limits (before anything is derived from them).
+func (e *Endpoint) checkLimits() error {
+	switch {
+	case len(e.Key) > MaxURLBytes:
+		return fmt.Errorf("address of %d bytes", len(e.Key))
+	case e.DataParallelSize > MaxDataParallelSize:
+		return fmt.Errorf("data_parallel_size %d (at most %d)", e.DataParallelSize, MaxDataParallelSize)
+	case e.BlockSize > MaxBlockSize:
+		return fmt.Errorf("block_size %d (at most %d)", e.BlockSize, MaxBlockSize)
+	case len(e.Models) > MaxModels || len(e.Adapters) > MaxModels:
+		return fmt.Errorf("%d models and %d adapters (at most %d each)", len(e.Models), len(e.Adapters), MaxModels)
+	case len(e.Labels) > MaxLabels:
+		return fmt.Errorf("%d labels (at most %d)", len(e.Labels), MaxLabels)
+	case len(e.KVEvents) > MaxURLBytes || len(e.KVEventsReplay) > MaxURLBytes || len(e.MetricsURL) > MaxURLBytes:
+		return fmt.Errorf("an address or URL over %d bytes", MaxURLBytes)
+	}
+	for _, names := range [][]ModelName{e.Models, e.Adapters} {
+		for _, n := range names {
+			if len(n) > MaxNameBytes {
+				return fmt.Errorf("a model or adapter name of %d bytes (at most %d)", len(n), MaxNameBytes)
+			}
+		}
+	}
+	for k, v := range e.Labels {
+		if len(k) > MaxLabelBytes || len(v) > MaxLabelBytes {
+			return fmt.Errorf("a label over %d bytes", MaxLabelBytes)
+		}
 	}
 	return nil
 }

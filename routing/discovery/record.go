@@ -17,6 +17,10 @@ const (
 	ReasonDuplicate     = "duplicate"      // a second record for the same address
 )
 
+// MaxRecordBytes bounds one encoded record (an etcd value, a file entry):
+// a record within routing's per-endpoint limits is far smaller.
+const MaxRecordBytes = 1 << 20
+
 // RecordError is why one record was skipped.
 type RecordError struct {
 	Reason string
@@ -33,6 +37,9 @@ func (e *RecordError) Unwrap() error { return e.Err }
 // so that newer writers do not break older readers. The address is
 // canonicalised. Errors are *RecordError.
 func DecodeRecord(data []byte) (routing.Endpoint, error) {
+	if len(data) > MaxRecordBytes {
+		return routing.Endpoint{}, &RecordError{ReasonInvalid, fmt.Errorf("record of %d bytes (at most %d)", len(data), MaxRecordBytes)}
+	}
 	var ep routing.Endpoint
 	if err := json.Unmarshal(data, &ep); err != nil {
 		return routing.Endpoint{}, &RecordError{ReasonMalformed, err}

@@ -77,9 +77,9 @@ func podEndpoints(p *corev1.Pod, ports []int) ([]routing.Endpoint, error) {
 		dst *int
 		max int
 	}{
-		{AnnotationBlockSize, &base.BlockSize, 1 << 20},
+		{AnnotationBlockSize, &base.BlockSize, routing.MaxBlockSize},
 		{AnnotationMaxBatchedTokens, &base.MaxBatchedTokens, 1 << 30},
-		{AnnotationDataParallelSize, &base.DataParallelSize, 1 << 16},
+		{AnnotationDataParallelSize, &base.DataParallelSize, routing.MaxDataParallelSize},
 	} {
 		if *f.dst, err = positive(ann, f.key, f.max); err != nil {
 			return nil, err
