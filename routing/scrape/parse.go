@@ -1,6 +1,8 @@
 package scrape
 
 import (
+	"bufio"
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -106,6 +108,107 @@ func normalize(name string) string {
 	return strings.TrimSuffix(name, "_total")
 }
 
+// Bounds of the load series kept from one body: far above what a worker
+// exports (a series per model, data-parallel rank and signal), far below
+// what would let a body's series cost more memory than its bytes.
+const (
+	// maxLineBytes bounds one line (vllm:lora_requests_info lists the
+	// adapters in a label).
+	maxLineBytes = 256 << 10
+	// maxLoadSeries bounds the load series of one body.
+	maxLoadSeries = 4096
+	// maxLoadBytes bounds the bytes of the load series of one body.
+	maxLoadBytes = 2 << 20
+)
+
+// loadLines streams a text exposition and returns only the lines of the
+// load metrics (samples and their # TYPE lines), bounded in count and
+// bytes. Other lines are skipped unparsed.
+func loadLines(r io.Reader) ([]byte, error) {
+	br := bufio.NewReaderSize(r, maxLineBytes)
+	var out []byte
+	series := 0
+	for {
+		line, err := br.ReadSlice('\n')
+		if errors.Is(err, bufio.ErrBufferFull) {
+			return nil, fmt.Errorf("%w: a line over %d bytes", ErrMalformed, maxLineBytes)
+		}
+		if len(line) > 0 {
+			name, sample, ok := lineMetric(line)
+			if !ok {
+				return nil, fmt.Errorf("%w: line %.40q is not a sample or comment", ErrMalformed, line)
+			}
+			if name != "" && kinds[normalize(name)] != kindNone {
+				if sample {
+					if series++; series > maxLoadSeries {
+						return nil, fmt.Errorf("%w: more than %d load series", ErrMalformed, maxLoadSeries)
+					}
+				}
+				if len(out)+len(line)+1 > maxLoadBytes {
+					return nil, fmt.Errorf("%w: load series over %d bytes", ErrMalformed, maxLoadBytes)
+				}
+				out = append(out, line...)
+				if line[len(line)-1] != '\n' {
+					out = append(out, '\n')
+				}
+			}
+		}
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				return out, nil
+			}
+			return nil, err
+		}
+	}
+}
+
+// lineMetric returns the metric name a line is about and whether it is a
+// sample (false for a # TYPE line; "" for other comments and blank lines).
+// Names may be bare (name{...} v) or quoted inside the braces ({"name",...}).
+// ok is false for a line that cannot be a sample: its bare name is not a
+// legal metric name (an HTML page, say).
+func lineMetric(line []byte) (name string, sample, ok bool) {
+	line = bytes.TrimLeft(line, " \t")
+	if len(bytes.TrimRight(line, " \t\r\n")) == 0 {
+		return "", false, true
+	}
+	switch line[0] {
+	case '#':
+		f := bytes.Fields(line[1:])
+		if len(f) >= 2 && string(f[0]) == "TYPE" {
+			return string(unquote(f[1])), false, true
+		}
+		return "", false, true
+	case '{':
+		rest := bytes.TrimLeft(line[1:], " \t")
+		if len(rest) > 0 && rest[0] == '"' {
+			if end := bytes.IndexByte(rest[1:], '"'); end >= 0 {
+				return string(rest[1 : 1+end]), true, true
+			}
+		}
+		return "", false, false
+	}
+	end := bytes.IndexAny(line, "{ \t\r\n")
+	if end < 0 {
+		end = len(line)
+	}
+	n := line[:end]
+	for i, c := range n {
+		if !(c == '_' || c == ':' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || i > 0 && c >= '0' && c <= '9') {
+			return "", false, false
+		}
+	}
+	return string(n), true, true
+}
+
+// unquote strips the quotes of a quoted metric name in a comment.
+func unquote(b []byte) []byte {
+	if len(b) >= 2 && b[0] == '"' && b[len(b)-1] == '"' {
+		return b[1 : len(b)-1]
+	}
+	return b
+}
+
 // limitedReader fails with ErrTooLarge once more than n bytes are read.
 type limitedReader struct {
 	r        io.Reader
@@ -151,14 +254,21 @@ func Parse(r io.Reader, limit int64) (Sample, error) {
 		limit = DefaultMaxBody
 	}
 	lr := &limitedReader{r: r, n: limit}
-	p := expfmt.NewTextParser(model.UTF8Validation)
-	fams, err := p.TextToMetricFamilies(lr)
+	// Only the load series are parsed: a worker's body is mostly other
+	// metrics, and parsing every series of a hostile 10 MiB body into
+	// metric families takes ~80 MiB of heap per scrape.
+	load, ferr := loadLines(lr)
 	if lr.exceeded {
 		return Sample{}, fmt.Errorf("%w (limit %d bytes)", ErrTooLarge, limit)
 	}
 	if lr.err != nil {
 		return Sample{}, fmt.Errorf("scrape: reading metrics: %w", lr.err)
 	}
+	if ferr != nil {
+		return Sample{}, ferr
+	}
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(bytes.NewReader(load))
 	if err != nil {
 		return Sample{}, fmt.Errorf("%w: %w", ErrMalformed, err)
 	}
@@ -299,13 +409,15 @@ func atoiPos(s string) int {
 	return int(f)
 }
 
-// adapters merges comma lists of adapter names, sorted and deduplicated.
+// adapters merges comma lists of adapter names, sorted and deduplicated;
+// names over routing.MaxNameBytes are dropped and at most routing.MaxModels
+// are kept (the endpoint keeps them until its next scrape).
 func adapters(lists ...string) []string {
 	var out []string
 	for _, l := range lists {
 		for a := range strings.SplitSeq(l, ",") {
-			if a = strings.TrimSpace(a); a != "" {
-				out = append(out, a)
+			if a = strings.TrimSpace(a); a != "" && len(a) <= routing.MaxNameBytes && len(out) < routing.MaxModels {
+				out = append(out, strings.Clone(a))
 			}
 		}
 	}
