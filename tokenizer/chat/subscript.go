@@ -318,25 +318,6 @@ func splitCall(toks []*tokens.Token, match []int, i int) bool {
 	return o >= 2 && toks[o-1].Type == tokens.Name && toks[o-1].Val == "split" && toks[o-2].Type == tokens.Dot
 }
 
-// pyList is a list that gonja indexes as Python does (see above).
-type pyList []any
-
-// GetItem implements gonja's exec.ItemGetter: integer keys count from the end
-// when negative; anything out of range, or not an integer, is not found.
-func (l pyList) GetItem(key any) (*exec.Value, bool) {
-	i, ok := key.(int)
-	if !ok {
-		return exec.AsValue(nil), false
-	}
-	if i < 0 {
-		i += len(l)
-	}
-	if i < 0 || i >= len(l) {
-		return exec.AsValue(nil), false
-	}
-	return exec.AsValue(l[i]), true
-}
-
 // chainStart returns the index of the first token of the postfix chain
 // (primary, then .attr, [subscript] and (call) parts) that ends at toks[i],
 // which is what a subscript after toks[i] applies to in Jinja's grammar. It
