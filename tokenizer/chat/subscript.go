@@ -4,6 +4,7 @@ import (
 	"errors"
 	"sort"
 	"strings"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/nikolalohinski/gonja/v2/config"
@@ -196,15 +197,43 @@ func expressionTokens(src string, cfg *config.Config) []*tokens.Token {
 			out = append(out, t)
 		case tokens.Whitespace:
 		default:
-			if inside {
-				out = append(out, t)
+			if !inside {
+				continue
 			}
+			if !clean(src, t) {
+				return nil
+			}
+			out = append(out, t)
 		}
 	}
 	if stream.IsError() {
 		return nil
 	}
 	return out
+}
+
+// clean reports whether a token starts where its text starts. gonja's lexer
+// skips characters it does not know (such as # or ?) and folds them into the
+// next token, so that token's position is not where its text is. Jinja
+// rejects those characters; such a template is not rewritten. Only the
+// tokens edits are placed at are checked.
+func clean(src string, t *tokens.Token) bool {
+	if t.Pos < 0 || t.Pos >= len(src) {
+		return false
+	}
+	r, _ := utf8.DecodeRuneInString(src[t.Pos:])
+	switch t.Type {
+	case tokens.String:
+		return r == '\'' || r == '"'
+	case tokens.Name:
+		return r == '_' || unicode.IsLetter(r)
+	case tokens.Integer, tokens.Float:
+		return unicode.IsDigit(r)
+	case tokens.LeftBracket, tokens.RightBracket, tokens.LeftParenthesis, tokens.RightParenthesis,
+		tokens.LeftBrace, tokens.RightBrace, tokens.Dot, tokens.Pipe:
+		return len(t.Val) == 1
+	}
+	return true
 }
 
 // matchBrackets pairs every bracket with its partner: match[i] is the index of
