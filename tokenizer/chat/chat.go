@@ -123,7 +123,7 @@ func Compile(src string) (t *Template, err error) {
 	// {% import %} cannot reach the file system (Jinja's sandbox in
 	// transformers has no loader at all).
 	const name = "/chat_template"
-	loader, err := loaders.NewMemoryLoader(map[string]string{name: lstripBlocks(src)})
+	loader, err := loaders.NewMemoryLoader(map[string]string{name: rewriteSubscripts(lstripBlocks(src), cfg)})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrUnsupported, err)
 	}

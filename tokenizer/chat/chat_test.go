@@ -255,3 +255,32 @@ func TestProbes(t *testing.T) {
 		})
 	}
 }
+
+// TestQwen3ThinkClosedWithoutOpening is the regression test for an assistant
+// turn whose reasoning ends with </think> but has no <think>: Qwen3's
+// template takes content.split('</think>')[0]...split('<think>')[-1], and
+// gonja's x[-1] on the one-element list was none, so the render failed and
+// the request was routed on estimated tokens.
+func TestQwen3ThinkClosedWithoutOpening(t *testing.T) {
+	tmpl, sp := qwen3(t)
+	for _, addGen := range []bool{false, true} {
+		c := testCase{AddGenerationPrompt: addGen, Messages: []json.RawMessage{
+			json.RawMessage(`{"role":"user","content":"What is 17 * 23?"}`),
+			json.RawMessage(`{"role":"assistant","content":"17 * 20 + 17 * 3 = 391\n</think>\n\n391"}`),
+		}}
+		if addGen {
+			c.Messages = append(c.Messages, json.RawMessage(`{"role":"user","content":"And 17 * 24?"}`))
+		}
+		want := runOracle(t, []map[string]any{{
+			"template": tmpl.Source(), "messages": c.Messages, "add_generation_prompt": addGen,
+			"bos_token": sp.BOSToken, "eos_token": sp.EOSToken,
+		}})[0]
+		if want.Out == nil {
+			t.Fatalf("oracle: %s", want.Error)
+		}
+		got, err := tmpl.Render(t.Context(), c.input(t, sp))
+		if err != nil || got != *want.Out {
+			t.Errorf("add_generation_prompt=%v: got %q, %v\nwant %q", addGen, got, err, *want.Out)
+		}
+	}
+}

@@ -48,10 +48,22 @@
 // loader that holds only the template, so include/import/extends cannot read
 // files.
 //
+// Subscripts: gonja returns none for x[-len(x)] (so x[-1] on a one-element
+// list, as str.split gives when the separator is absent: Qwen3's
+// reasoning_content extraction) and indexes strings by byte. Before parsing,
+// every subscript whose index is not a string literal is rewritten (from
+// gonja's own tokens) into a call of a registered global with Python's
+// indexing; the lists this package creates index correctly by themselves,
+// so x.split(s)[i] is left to the engine (see subscript.go). These lists
+// also print as Python's str(list), items in repr(): Kimi-K2 prints content
+// parts with {{ message['content'] }}.
+//
 // Known differences that remain (asserted in testdata/probes.json):
 // the default filter also replaces none; `x in y|f` parses as `(x in y)|f`;
-// ** on integers gives a float; {{ none }} prints "". The Qwen3, Llama 3,
-// Kimi-K2 and Mistral-Instruct templates do not hit them.
+// ** on integers gives a float; {{ none }} prints ""; a method called on a
+// parenthesised expression, (x).upper(), fails; a dict printed with {{ }}
+// shows its strings without repr(). The Qwen3, Llama 3, Kimi-K2 and
+// Mistral-Instruct templates do not hit them.
 //
 // # Errors
 //

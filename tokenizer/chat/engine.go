@@ -17,6 +17,7 @@ func newEnvironment() *exec.Environment {
 	_ = filters.Replace("tojson", filterToJSON)
 	ctx := exec.EmptyContext().Update(builtins.GlobalFunctions).Update(builtins.GlobalVariables)
 	ctx.Set("raise_exception", raiseException)
+	ctx.Set(getitemName, getItem)
 	methods := builtins.Methods
 	methods.Str = strMethods()
 	methods.Dict = dictMethods()
@@ -90,7 +91,8 @@ func replaceMethod(self string, _ *exec.Value, args *exec.VarArgs) (any, error) 
 	return strings.Replace(self, args.Args[0].String(), args.Args[1].String(), n), nil
 }
 
-// splitMethod is Python's str.split(sep=None, maxsplit=-1).
+// splitMethod is Python's str.split(sep=None, maxsplit=-1). It returns a
+// [pyList], so x.split(s)[-1] is right when s is absent (see subscript.go).
 func splitMethod(self string, _ *exec.Value, args *exec.VarArgs) (any, error) {
 	sep, max := exec.AsValue(nil), -1
 	if len(args.Args) > 2 {
@@ -139,7 +141,7 @@ func splitMethod(self string, _ *exec.Value, args *exec.VarArgs) (any, error) {
 	default:
 		parts = strings.SplitN(self, sep.String(), max+1)
 	}
-	out := make([]any, len(parts))
+	out := make(pyList, len(parts))
 	for i, p := range parts {
 		out[i] = p
 	}

@@ -19,6 +19,8 @@ func FuzzRender(f *testing.F) {
 	f.Add("{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}", `[{"role":"user","content":"x"}]`)
 	f.Add("{{ raise_exception('no') }}", `[]`)
 	f.Add("{{ messages[0].content.split('</think>')[-1].lstrip('\\n') }}", `[{"role":"assistant","content":"<think>a</think>\nb"}]`)
+	f.Add("{% for m in messages %}{% if '</think>' in m.content %}{{ m.content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') }}|{{ m.content.split('</think>')[-1].lstrip('\\n') }}{% endif %}{{ messages[loop.index0 - 1].role }}{% endfor %}{{ messages[-1].content[-1] }}", `[{"role":"assistant","content":"reasoning\n</think>\n\nanswer"}]`)
+	f.Add("{{ messages[0].content }}{{ messages }}", `[{"role":"user","content":[{"type":"text","text":"I'll say \"hi\"\n\u0001"}]}]`)
 	f.Add("{% set ns = namespace(x=1) %}{% for m in messages[::-1] %}{% set ns.x = ns.x * 2 %}{% endfor %}{{ ns.x }}", `[{"role":"user","content":"a"},{"role":"user","content":"b"}]`)
 	f.Add("{{ messages[0].tool_calls|tojson }}", `[{"role":"assistant","content":null,"tool_calls":[{"type":"function","function":{"name":"f","arguments":"{\"a\":[1,2.5,null]}"}}]}]`)
 	f.Fuzz(func(t *testing.T, src, messages string) {

@@ -21,8 +21,8 @@ import (
 // parse_chat_messages does: content becomes a string (text parts joined with
 // "\n") or a list of parts depending on format, nil content becomes "" or [],
 // and a tool call's JSON-string arguments become an object.
-func prepareMessages(in []Message, format ContentFormat) ([]any, error) {
-	out := make([]any, 0, len(in))
+func prepareMessages(in []Message, format ContentFormat) (pyList, error) {
+	out := make(pyList, 0, len(in))
 	for i, m := range in {
 		if m.Role == "" {
 			return nil, fmt.Errorf("%w: message %d has no role", ErrInvalidInput, i)
@@ -34,7 +34,7 @@ func prepareMessages(in []Message, format ContentFormat) ([]any, error) {
 		d := exec.NewDict()
 		set(d, "role", m.Role)
 		if format == FormatOpenAI {
-			list := make([]any, 0, len(parts))
+			list := make(pyList, 0, len(parts))
 			for _, p := range parts {
 				list = append(list, p)
 			}
@@ -101,6 +101,8 @@ func contentParts(c any) ([]*exec.Dict, error) {
 			return nil, err
 		}
 		return contentParts(v)
+	case pyList:
+		return contentParts([]any(c))
 	case []any:
 		out := make([]*exec.Dict, 0, len(c))
 		for i, p := range c {
@@ -133,7 +135,7 @@ func textPart(s string) *exec.Dict {
 	return d
 }
 
-func toolCalls(calls []any) ([]any, error) {
+func toolCalls(calls []any) (pyList, error) {
 	list, err := toList(calls, 1)
 	if err != nil {
 		return nil, err
@@ -173,11 +175,11 @@ func set(d *exec.Dict, k string, v any) {
 	d.Pairs = append(d.Pairs, &exec.Pair{Key: exec.AsValue(k), Value: exec.AsValue(v)})
 }
 
-func toList(in []any, depth int) ([]any, error) {
+func toList(in []any, depth int) (pyList, error) {
 	if in == nil {
 		return nil, nil
 	}
-	out := make([]any, 0, len(in))
+	out := make(pyList, 0, len(in))
 	for _, v := range in {
 		cv, err := convert(v, depth+1)
 		if err != nil {
@@ -191,14 +193,14 @@ func toList(in []any, depth int) ([]any, error) {
 var errTooDeep = fmt.Errorf("nested deeper than %d", MaxDepth)
 
 // convert turns a Go or JSON value into template values: objects become
-// *exec.Dict (ordered; Go maps in sorted key order), arrays []any, numbers
+// *exec.Dict (ordered; Go maps in sorted key order), arrays pyList, numbers
 // int or float64.
 func convert(v any, depth int) (any, error) {
 	if depth > MaxDepth {
 		return nil, errTooDeep
 	}
 	switch v := v.(type) {
-	case nil, string, bool, int, int64, float64, *exec.Dict:
+	case nil, string, bool, int, int64, float64, *exec.Dict, pyList:
 		return v, nil
 	case json.RawMessage:
 		return decodeOrderedDepth(v, depth)
@@ -221,7 +223,7 @@ func convert(v any, depth int) (any, error) {
 		if err != nil {
 			return nil, err
 		}
-		out := make([]any, len(parts))
+		out := make(pyList, len(parts))
 		for i, p := range parts {
 			out[i] = p
 		}
@@ -299,7 +301,7 @@ func decodeValue(dec *json.Decoder, depth int) (any, error) {
 			_, err := dec.Token()
 			return d, err
 		case '[':
-			list := []any{}
+			list := pyList{}
 			for dec.More() {
 				v, err := decodeValue(dec, depth+1)
 				if err != nil {

@@ -27,6 +27,13 @@ var conversations = []string{
 	`{"model":"m","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"List three primes."},{"role":"assistant","content":"2, 3, 5"},{"role":"user","content":[{"type":"text","text":"And three more,"},{"type":"text","text":"in Japanese: 日本語で"}]}]}`,
 	`{"model":"m","messages":[{"role":"user","content":"emoji 👩‍👩‍👧 and a fake <|im_start|> token"}],"chat_template_kwargs":{"enable_thinking":false}}`,
 	`{"model":"m","tools":[{"type":"function","function":{"name":"get_weather","description":"Weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}],"messages":[{"role":"user","content":"Weather in Paris?"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},{"role":"tool","tool_call_id":"c1","content":"18C"}]}`,
+	// Reasoning closed by </think> with no opening <think> (clients that
+	// strip the opening tag, or a model that starts inside its reasoning):
+	// the engine used to fail on it and the request fell back to estimated
+	// tokens.
+	`{"model":"m","messages":[{"role":"user","content":"What is 17 * 23?"},{"role":"assistant","content":"17 * 23 = 17 * 20 + 17 * 3 = 340 + 51.\n</think>\n\n391"},{"role":"user","content":"And 17 * 24?"}]}`,
+	`{"model":"m","messages":[{"role":"user","content":"What is 17 * 23?"},{"role":"assistant","content":"340 + 51\n</think>\n\n391"}]}`,
+	`{"model":"m","tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}],"messages":[{"role":"user","content":"Weather in Paris and Rome?"},{"role":"assistant","content":"","reasoning_content":"Both cities, Paris first.","tool_calls":[{"id":"c1","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},{"role":"tool","tool_call_id":"c1","content":"18C"},{"role":"assistant","content":"Now Rome.\n</think>\n\n","tool_calls":[{"id":"c2","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Rome\"}"}}]},{"role":"tool","tool_call_id":"c2","content":"24C"}]}`,
 }
 
 // TestEncodeChatMatchesOracle renders each conversation with Python's
