@@ -284,6 +284,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	defer p.inflight.Add(-1)
 	clean, err := CleanPath(r.URL.EscapedPath())
 	if err != nil {
+		closeUnread(w, r)
 		p.fail(w, extproc.PathOther, err)
 		return
 	}
@@ -294,6 +295,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	// Admission before any body byte is read.
 	if n > int64(p.cfg.MaxInflight) {
+		closeUnread(w, r)
 		p.fail(w, class, fmt.Errorf("%w: %d requests in flight", extproc.ErrTooManyStreams, p.cfg.MaxInflight))
 		return
 	}
@@ -302,6 +304,18 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	p.forward(w, r, clean, kind, class)
+}
+
+// closeUnread makes net/http close an HTTP/1 connection after the reply
+// instead of draining the request body the proxy did not read (it would
+// read up to 256 KiB before sending the reply): a client that declared a
+// body and sends it slowly, or never, cannot hold a refusal back or keep
+// the connection. HTTP/2 needs nothing (there "Connection: close" would
+// end every stream of the connection).
+func closeUnread(w http.ResponseWriter, r *http.Request) {
+	if r.ProtoMajor == 1 && r.ContentLength != 0 {
+		w.Header().Set("Connection", "close")
+	}
 }
 
 // fail answers err as an OpenAI-style error and counts the request.
@@ -505,6 +519,7 @@ func (p *Proxy) forward(w http.ResponseWriter, r *http.Request, clean string, ki
 
 	body, err := p.readBody(w, r, deadline)
 	if err != nil {
+		closeUnread(w, r)
 		p.fail(w, path, err)
 		return
 	}

@@ -42,11 +42,13 @@ type RouteResponse struct {
 // request; hints are read as for a proxied request.
 func (p *Proxy) route(w http.ResponseWriter, r *http.Request) {
 	if r.Method != http.MethodPost {
+		closeUnread(w, r)
 		p.fail(w, pathRoute, fmt.Errorf("%w: %s %s", ErrMethodNotAllowed, r.Method, RoutePath))
 		return
 	}
 	body, err := p.readBody(w, r, time.Now().Add(p.cfg.DecisionTimeout))
 	if err != nil {
+		closeUnread(w, r)
 		p.fail(w, pathRoute, err)
 		return
 	}
