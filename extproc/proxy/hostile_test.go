@@ -267,6 +267,7 @@ func TestProxyMaxInflight(t *testing.T) {
 		t.Errorf("refused after %v", took)
 	}
 	// The unread body is not drained: the connection is closed.
+	_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
 	if n, err := c.r.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
 		t.Errorf("connection still open after the refusal: %d, %v", n, err)
 	}
@@ -437,4 +438,43 @@ func FuzzPath(f *testing.F) {
 			t.Fatalf("CleanPath(%q) = %q sent as %q cleans to %q, %v", in, out, sent, again, err)
 		}
 	})
+}
+
+// TestProxyRefusalDoesNotWaitForBody: a request refused before its body is
+// read (bad path, outside /v1/, wrong method, declared length over the
+// limit) is answered at once although the body never comes, and its
+// connection is closed rather than drained.
+func TestProxyRefusalDoesNotWaitForBody(t *testing.T) {
+	f := newFixture(t, options{workers: 1, cfg: proxy.Config{MaxBodyBytes: 1 << 20, DecisionTimeout: 30 * time.Second}})
+	cases := []struct {
+		method, target, length string
+		status                 int
+	}{
+		{"POST", "/v1/%2e%2e/chat/completions", "1000", 400},
+		{"POST", "/admin", "1000", 404},
+		{"GET", proxy.RoutePath, "1000", 405},
+		{"POST", "/v1/chat/completions", "2097152", 413},
+	}
+	for _, c := range cases {
+		t.Run(c.method+" "+c.target, func(t *testing.T) {
+			rc := dialRaw(t, f.url)
+			start := time.Now()
+			rc.send(t, c.method, c.target, "Content-Type: application/json", "Content-Length: "+c.length)
+			resp, b, err := rc.response(5 * time.Second)
+			if err != nil {
+				t.Fatalf("no answer after %v: %v", time.Since(start), err)
+			}
+			if resp.StatusCode != c.status || !resp.Close {
+				t.Errorf("got %d (close %v) %s, want %d and close", resp.StatusCode, resp.Close, b, c.status)
+			}
+			if took := time.Since(start); took > time.Second {
+				t.Errorf("answered after %v", took)
+			}
+			_ = rc.SetReadDeadline(time.Now().Add(2 * time.Second))
+			if n, err := rc.r.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+				t.Errorf("connection still open: %d, %v", n, err)
+			}
+		})
+	}
+	waitFor(t, 2*time.Second, "in-flight back to 0", func() bool { return f.proxy.InFlight() == 0 })
 }

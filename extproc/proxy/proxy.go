@@ -306,15 +306,18 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	p.forward(w, r, clean, kind, class)
 }
 
-// closeUnread makes net/http close an HTTP/1 connection after the reply
-// instead of draining the request body the proxy did not read (it would
-// read up to 256 KiB before sending the reply): a client that declared a
-// body and sends it slowly, or never, cannot hold a refusal back or keep
-// the connection. HTTP/2 needs nothing (there "Connection: close" would
-// end every stream of the connection).
+// closeUnread makes net/http close an HTTP/1 connection right after the
+// reply instead of draining the request body the proxy did not read
+// (net/http reads up to 256 KiB of it, with no deadline, before it lets go
+// of the connection): "Connection: close", and a read deadline in the past
+// so the drain fails at once. A client that declared a body and sends it
+// slowly, or never, thus cannot hold a refusal back or keep the
+// connection. HTTP/2 needs neither (the server resets the stream; there
+// "Connection: close" would end every stream of the connection).
 func closeUnread(w http.ResponseWriter, r *http.Request) {
 	if r.ProtoMajor == 1 && r.ContentLength != 0 {
 		w.Header().Set("Connection", "close")
+		_ = http.NewResponseController(w).SetReadDeadline(time.Now())
 	}
 }
 
