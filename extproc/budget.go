@@ -16,6 +16,12 @@ type Budget struct {
 	used  atomic.Int64
 }
 
+// DefaultMaxBufferedBytes is the budget used when --max-buffered-bytes is
+// 0: four bodies of the largest size, at least 256 MiB.
+func DefaultMaxBufferedBytes(maxBodyBytes int64) int64 {
+	return max(4*maxBodyBytes, 256<<20)
+}
+
 // NewBudget returns a budget of limit bytes (at least 1).
 func NewBudget(limit int64) *Budget {
 	return &Budget{limit: max(limit, 1)}

@@ -66,7 +66,7 @@ func (c *Config) defaults() {
 		c.MaxInflight = DefaultMaxInflight
 	}
 	if c.MaxBufferedBytes <= 0 {
-		c.MaxBufferedBytes = max(4*c.MaxBodyBytes, 256<<20)
+		c.MaxBufferedBytes = DefaultMaxBufferedBytes(c.MaxBodyBytes)
 	}
 	if c.DecisionTimeout <= 0 {
 		c.DecisionTimeout = DefaultDecisionTimeout

@@ -94,7 +94,7 @@ func (c *Config) defaults() {
 		c.MaxInflight = extproc.DefaultMaxInflight
 	}
 	if c.MaxBufferedBytes <= 0 {
-		c.MaxBufferedBytes = max(4*c.MaxBodyBytes, 256<<20)
+		c.MaxBufferedBytes = extproc.DefaultMaxBufferedBytes(c.MaxBodyBytes)
 	}
 	if c.DecisionTimeout <= 0 {
 		c.DecisionTimeout = extproc.DefaultDecisionTimeout
