@@ -85,9 +85,6 @@ func TestCleanPathCleanInputDoesNotAllocate(t *testing.T) {
 // returns an absolute path that is already clean (cleaning it again changes
 // nothing) with no backslash, control character or dot segment.
 func FuzzCleanPath(f *testing.F) {
-	for _, s := range []string{"/v1/chat/completions", "/v1/../../etc/passwd", "/v1/%2e%2e/metrics", "/v1/..%2fmetrics", "//v1/..", "/v1/./", "/v1/%252e"} {
-		f.Add(s)
-	}
 	f.Fuzz(func(t *testing.T, in string) {
 		out, err := CleanPath(in)
 		if err != nil {
