@@ -110,8 +110,10 @@ func heapInUse() uint64 {
 // answered 503 decision_timeout once the decision deadline passes.
 func TestProxyDeclaredLengthFlood(t *testing.T) {
 	const (
-		conns   = 60
-		timeout = time.Second
+		conns = 60
+		// Long enough for all 60 connections to be waiting at once on a
+		// loaded 2-core machine under -race, when the heap is measured.
+		timeout = 2 * time.Second
 		bound   = 32 << 20 // the unfixed proxy held 60 x 16 MiB here
 	)
 	f := newFixture(t, options{workers: 1, cfg: proxy.Config{DecisionTimeout: timeout}})
