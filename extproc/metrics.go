@@ -91,7 +91,7 @@ func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metric
 	if bufferedBytes != nil {
 		m.bufferedBytes = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvbandit_buffered_body_bytes",
-			Help: "Request body bytes buffered across all streams.",
+			Help: "Request body bytes buffered at once by the ext_proc streams and the standalone proxy together (the --max-buffered-bytes budget).",
 		}, bufferedBytes)
 		cs = append(cs, m.bufferedBytes)
 	}

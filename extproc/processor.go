@@ -286,8 +286,7 @@ func (p *processor) appendBody(chunk []byte) error {
 
 // hold charges n bytes against the server-wide buffer budget.
 func (p *processor) hold(n int64) error {
-	if p.s.buffered.Add(n) > p.s.cfg.MaxBufferedBytes {
-		p.s.buffered.Add(-n)
+	if !p.s.budget.Take(n) {
 		return ErrBufferBudget
 	}
 	p.held += n
@@ -722,7 +721,7 @@ func (p *processor) count(status int) {
 }
 
 // PathClass is the path label of a request: its OpenAI kind, /v1/models,
-// or other.
+// or other (decided on the cleaned path, [openai.CleanPath]).
 func PathClass(k openai.Kind, path string) string {
 	switch k {
 	case openai.KindChat:
@@ -730,7 +729,8 @@ func PathClass(k openai.Kind, path string) string {
 	case openai.KindCompletion:
 		return pathCompletions
 	}
-	if path, _, _ = strings.Cut(path, "?"); path == "/v1/models" {
+	path, _, _ = strings.Cut(path, "?")
+	if clean, err := openai.CleanPath(path); err == nil && clean == "/v1/models" {
 		return pathModels
 	}
 	return PathOther
@@ -756,7 +756,7 @@ func (p *processor) close() {
 		p.timer.Stop()
 	}
 	if p.held > 0 {
-		p.s.buffered.Add(-p.held)
+		p.s.budget.Release(p.held)
 		p.held = 0
 	}
 	p.body, p.respBody = nil, nil

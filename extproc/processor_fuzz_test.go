@@ -106,7 +106,7 @@ func FuzzProcessor(f *testing.F) {
 				t.Fatalf("%s in-flight %d after close", st.Key, n)
 			}
 		}
-		if n := s.buffered.Load(); n != 0 {
+		if n := s.budget.Used(); n != 0 {
 			t.Fatalf("buffer budget leaked: %d", n)
 		}
 	})

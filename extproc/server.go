@@ -66,7 +66,7 @@ func (c *Config) defaults() {
 		c.MaxInflight = DefaultMaxInflight
 	}
 	if c.MaxBufferedBytes <= 0 {
-		c.MaxBufferedBytes = max(4*c.MaxBodyBytes, 256<<20)
+		c.MaxBufferedBytes = DefaultMaxBufferedBytes(c.MaxBodyBytes)
 	}
 	if c.DecisionTimeout <= 0 {
 		c.DecisionTimeout = DefaultDecisionTimeout
@@ -94,6 +94,11 @@ type Deps struct {
 	Logger    *slog.Logger
 	Registry  prometheus.Registerer
 	Clock     clock.Clock
+	// Budget bounds the request bytes buffered across all streams and
+	// whatever else shares it (the standalone proxy); nil: a private one of
+	// Config.MaxBufferedBytes. A given Budget's limit is the effective
+	// MaxBufferedBytes.
+	Budget *Budget
 }
 
 // Server implements the ext_proc ExternalProcessor service.
@@ -107,8 +112,8 @@ type Server struct {
 	clk     clock.Clock
 	metrics *Metrics
 
-	streams  atomic.Int64
-	buffered atomic.Int64
+	streams atomic.Int64
+	budget  *Budget
 
 	drainOnce sync.Once
 	drain     chan struct{}
@@ -128,7 +133,11 @@ func NewServer(cfg Config, deps Deps) *Server {
 	if s.log == nil {
 		s.log = slog.Default()
 	}
-	s.metrics = NewMetrics(deps.Registry, func() float64 { return float64(s.buffered.Load()) })
+	if s.budget = deps.Budget; s.budget == nil {
+		s.budget = NewBudget(s.cfg.MaxBufferedBytes)
+	}
+	s.cfg.MaxBufferedBytes = s.budget.Limit()
+	s.metrics = NewMetrics(deps.Registry, func() float64 { return float64(s.budget.Used()) })
 	return s
 }
 

@@ -26,6 +26,15 @@ func TestKindOf(t *testing.T) {
 		{"/openai/v1/chat/completions", KindOther},
 		{"", KindOther},
 		{"?/v1/completions", KindOther},
+		// Classified on the cleaned path.
+		{"/v1/chat/completions/../models", KindOther},
+		{"/v1/chat/completions/../../completions", KindCompletion},
+		{"/v1/models/../chat/completions?x=1", KindChat},
+		{"//v1//chat/completions", KindChat},
+		{"/v1/./completions", KindCompletion},
+		{"/v1/chat/%63ompletions", KindChat},
+		{"/v1/chat/completions%2F", KindOther},
+		{"/v1/x/%2e%2e/completions", KindOther},
 	}
 	for _, tt := range tests {
 		if got := KindOf(tt.path); got != tt.want {

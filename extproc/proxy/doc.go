@@ -19,6 +19,24 @@
 //     accounting, no reuse budget spent, no learning. It is the reference
 //     standalone router's best_worker_id.
 //
+// Paths are decoded once and cleaned first ([CleanPath]): encoded slashes,
+// backslashes, percent signs and dot segments are refused (400
+// invalid_path), dot segments and repeated slashes resolved, and the result
+// must lie under /v1/ (404 not_found). The cleaned path is what is
+// classified, routed and forwarded; the raw one never reaches a worker.
+//
+// Every input is bounded before it costs memory or time: request headers
+// by the http.Server ([MaxHeaderBytes], set by serve), concurrent requests
+// by Config.MaxInflight (503 too_many_requests_in_flight, before any body
+// byte is read), the body by MaxBodyBytes (413), by the decision deadline
+// (Config.DecisionTimeout, request headers → decision, body read included:
+// 503 decision_timeout) and by the buffer budget (Deps.Budget, shared with
+// the ext_proc server: 503 server_busy). The body buffer grows with the
+// bytes received, never with a declared Content-Length; each chunk is
+// charged to the budget as it arrives and released once the worker has
+// answered. A worker's response headers are bounded by
+// [MaxResponseHeaderBytes].
+//
 // Errors are the ext_proc path's: [extproc.Reject] maps them to a status and
 // [extproc.Rejection.Body] writes the OpenAI-style JSON error body, with the
 // code in the x-kvbandit-error header. Errors only the proxy meets (the

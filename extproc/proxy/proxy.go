@@ -9,6 +9,8 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -42,12 +44,38 @@ type Engine interface {
 
 var _ Engine = (*routing.Engine)(nil)
 
+// Limits on the proxy's HTTP exchanges.
+const (
+	// MaxHeaderBytes is the request header limit the proxy's http.Server
+	// should use (serve sets it; net/http answers 431 beyond). It is a
+	// little above Envoy's default request header limit (60 KiB), so a
+	// client that works through Envoy works through the proxy.
+	MaxHeaderBytes = 64 << 10
+	// MaxResponseHeaderBytes bounds a worker's response headers
+	// ([NewTransport]); beyond it the request fails as upstream_unavailable.
+	MaxResponseHeaderBytes = 64 << 10
+	// initialBodyBuffer is the largest buffer allocated for a request body
+	// before its bytes arrive: the buffer grows with the bytes received,
+	// never with the Content-Length a client declares.
+	initialBodyBuffer = 16 << 10
+)
+
 // Config holds the proxy's limits. Zero fields take the ext_proc defaults.
 type Config struct {
 	// MaxBodyBytes is the largest request body accepted (413 beyond).
 	MaxBodyBytes int64
-	// DecisionTimeout bounds body read → decision (503 decision_timeout
-	// beyond); it never applies to the response.
+	// MaxInflight is the number of requests handled at once (503
+	// too_many_requests_in_flight beyond, before any body is read). It is
+	// the proxy's own count, with the same limit as the ext_proc server's
+	// (--max-inflight).
+	MaxInflight int
+	// MaxBufferedBytes sizes the proxy's private buffer budget when
+	// Deps.Budget is nil (0: max(4 x MaxBodyBytes, 256 MiB), as the ext_proc
+	// server's).
+	MaxBufferedBytes int64
+	// DecisionTimeout bounds request headers → decision, the body read
+	// included (503 decision_timeout beyond), as --decision-timeout does on
+	// the ext_proc path; it never applies to the response.
 	DecisionTimeout time.Duration
 	// TenantHeader names the request header that carries the tenant.
 	TenantHeader string
@@ -61,6 +89,12 @@ type Config struct {
 func (c *Config) defaults() {
 	if c.MaxBodyBytes <= 0 {
 		c.MaxBodyBytes = extproc.DefaultMaxBodyBytes
+	}
+	if c.MaxInflight <= 0 {
+		c.MaxInflight = extproc.DefaultMaxInflight
+	}
+	if c.MaxBufferedBytes <= 0 {
+		c.MaxBufferedBytes = extproc.DefaultMaxBufferedBytes(c.MaxBodyBytes)
 	}
 	if c.DecisionTimeout <= 0 {
 		c.DecisionTimeout = extproc.DefaultDecisionTimeout
@@ -86,22 +120,28 @@ type Deps struct {
 	Clock clock.Clock
 	// Transport carries requests to the workers; nil: [NewTransport].
 	Transport http.RoundTripper
+	// Budget bounds the request body bytes held at once; serve shares one
+	// with the ext_proc server. nil: a private one of
+	// Config.MaxBufferedBytes.
+	Budget *extproc.Budget
 }
 
 // NewTransport returns the transport the proxy uses by default: keep-alive
 // connections to every worker, no proxy from the environment, and no
 // transparent compression (Accept-Encoding and Content-Encoding pass through
-// untouched).
+// untouched), and worker response headers bounded by
+// [MaxResponseHeaderBytes].
 func NewTransport() *http.Transport {
 	return &http.Transport{
-		DialContext:           (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		MaxIdleConns:          4096,
-		MaxIdleConnsPerHost:   512,
-		IdleConnTimeout:       90 * time.Second,
-		ExpectContinueTimeout: time.Second,
-		DisableCompression:    true,
-		WriteBufferSize:       64 << 10,
-		ReadBufferSize:        64 << 10,
+		MaxResponseHeaderBytes: MaxResponseHeaderBytes,
+		DialContext:            (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:           4096,
+		MaxIdleConnsPerHost:    512,
+		IdleConnTimeout:        90 * time.Second,
+		ExpectContinueTimeout:  time.Second,
+		DisableCompression:     true,
+		WriteBufferSize:        64 << 10,
+		ReadBufferSize:         64 << 10,
 	}
 }
 
@@ -109,7 +149,7 @@ func NewTransport() *http.Transport {
 var (
 	// ErrUpstreamUnavailable: the chosen worker could not be reached (503).
 	ErrUpstreamUnavailable = errors.New("upstream unavailable")
-	// ErrNotFound: the path is outside /v1/ (404).
+	// ErrNotFound: the cleaned path is outside /v1/ (404).
 	ErrNotFound = errors.New("not found")
 	// ErrMethodNotAllowed: /v1/route takes POST only (405).
 	ErrMethodNotAllowed = errors.New("method not allowed")
@@ -125,6 +165,8 @@ func reject(err error) *extproc.Rejection {
 		return &extproc.Rejection{Status: http.StatusServiceUnavailable, Type: "service_unavailable", Code: "upstream_unavailable", Err: err}
 	case errors.Is(err, ErrNotFound):
 		return &extproc.Rejection{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found", Err: err}
+	case errors.Is(err, openai.ErrInvalidPath):
+		return &extproc.Rejection{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "invalid_path", Err: err}
 	case errors.Is(err, ErrMethodNotAllowed):
 		return &extproc.Rejection{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error", Code: "method_not_allowed", Err: err}
 	}
@@ -145,6 +187,7 @@ type Proxy struct {
 	ownRT   *http.Transport
 	metrics *metrics
 	bufs    sync.Pool
+	budget  *extproc.Budget
 
 	inflight atomic.Int64
 	wg       sync.WaitGroup
@@ -157,7 +200,10 @@ var _ http.Handler = (*Proxy)(nil)
 // New returns a proxy. deps.Engine must be set.
 func New(cfg Config, deps Deps) *Proxy {
 	cfg.defaults()
-	p := &Proxy{cfg: cfg, engine: deps.Engine, tok: deps.Tokenizer, log: deps.Logger, clk: clock.Or(deps.Clock), rt: deps.Transport}
+	p := &Proxy{cfg: cfg, engine: deps.Engine, tok: deps.Tokenizer, log: deps.Logger, clk: clock.Or(deps.Clock), rt: deps.Transport, budget: deps.Budget}
+	if p.budget == nil {
+		p.budget = extproc.NewBudget(cfg.MaxBufferedBytes)
+	}
 	if p.log == nil {
 		p.log = slog.Default()
 	}
@@ -171,7 +217,8 @@ func New(cfg Config, deps Deps) *Proxy {
 	return p
 }
 
-// InFlight is the number of requests being handled.
+// InFlight is the number of requests being handled (those refused for
+// being over Config.MaxInflight included, while they are answered).
 func (p *Proxy) InFlight() int64 { return p.inflight.Load() }
 
 // Stop cuts every request still in flight (their decisions end as
@@ -202,19 +249,75 @@ func (p *Proxy) Wait(ctx context.Context) error {
 	}
 }
 
+// CleanPath is the proxy's path rule for a request's escaped path (no
+// query): [openai.CleanPath] decodes and cleans it, refusing encoded
+// slashes, backslashes, percent signs and dot segments (an error wrapping
+// [openai.ErrInvalidPath]: 400 invalid_path), and the result must lie under
+// /v1/ ([ErrNotFound]: 404 not_found). It returns the decoded clean path,
+// which the proxy classifies, routes and forwards to the worker (escaped
+// again), never the raw one.
+func CleanPath(escaped string) (string, error) {
+	clean, err := openai.CleanPath(escaped)
+	if err != nil {
+		return "", err
+	}
+	if !strings.HasPrefix(clean, "/v1/") {
+		return "", fmt.Errorf("%w: %q", ErrNotFound, truncate(clean))
+	}
+	return clean, nil
+}
+
+// truncate bounds a client-supplied string quoted in an error message.
+func truncate(s string) string {
+	const limit = 256
+	if len(s) > limit {
+		return s[:limit] + "..."
+	}
+	return s
+}
+
 // ServeHTTP implements [http.Handler].
 func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	p.wg.Add(1)
 	defer p.wg.Done()
-	p.inflight.Add(1)
+	n := p.inflight.Add(1)
 	defer p.inflight.Add(-1)
-	switch {
-	case r.URL.Path == RoutePath:
+	clean, err := CleanPath(r.URL.EscapedPath())
+	if err != nil {
+		closeUnread(w, r)
+		p.fail(w, extproc.PathOther, err)
+		return
+	}
+	kind := openai.KindOf(clean)
+	class := extproc.PathClass(kind, clean)
+	if clean == RoutePath {
+		class = pathRoute
+	}
+	// Admission before any body byte is read.
+	if n > int64(p.cfg.MaxInflight) {
+		closeUnread(w, r)
+		p.fail(w, class, fmt.Errorf("%w: %d requests in flight", extproc.ErrTooManyStreams, p.cfg.MaxInflight))
+		return
+	}
+	if clean == RoutePath {
 		p.route(w, r)
-	case strings.HasPrefix(r.URL.Path, "/v1/"):
-		p.forward(w, r)
-	default:
-		p.fail(w, extproc.PathOther, fmt.Errorf("%w: %s", ErrNotFound, r.URL.Path))
+		return
+	}
+	p.forward(w, r, clean, kind, class)
+}
+
+// closeUnread makes net/http close an HTTP/1 connection right after the
+// reply instead of draining the request body the proxy did not read
+// (net/http reads up to 256 KiB of it, with no deadline, before it lets go
+// of the connection): "Connection: close", and a read deadline in the past
+// so the drain fails at once. A client that declared a body and sends it
+// slowly, or never, thus cannot hold a refusal back or keep the
+// connection. HTTP/2 needs neither (the server resets the stream; there
+// "Connection: close" would end every stream of the connection).
+func closeUnread(w http.ResponseWriter, r *http.Request) {
+	if r.ProtoMajor == 1 && r.ContentLength != 0 {
+		w.Header().Set("Connection", "close")
+		_ = http.NewResponseController(w).SetReadDeadline(time.Now())
 	}
 }
 
@@ -237,33 +340,142 @@ func (p *Proxy) reply(w http.ResponseWriter, err error) int {
 	return rej.Status
 }
 
-// readBody reads the request body, bounded by MaxBodyBytes.
-func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
+// reqBody is a request body read by the proxy, its bytes charged to the
+// buffer budget until release.
+type reqBody struct {
+	mu       sync.Mutex
+	b        []byte
+	held     int64
+	budget   *extproc.Budget
+	released bool
+}
+
+// bytes returns the body (nil after release).
+func (rb *reqBody) bytes() []byte {
+	rb.mu.Lock()
+	defer rb.mu.Unlock()
+	return rb.b
+}
+
+// open returns a reader for the worker; it is the upstream request's
+// GetBody, so the transport can replay the body on a fresh connection
+// until release.
+func (rb *reqBody) open() (io.ReadCloser, error) {
+	rb.mu.Lock()
+	defer rb.mu.Unlock()
+	if rb.released {
+		return nil, errBodyReleased
+	}
+	u := &upstreamBody{}
+	u.r.Reset(rb.b)
+	return u, nil
+}
+
+// release gives the bytes back to the budget and forgets them: the body is
+// no longer needed once the worker has answered (or could not be reached).
+// It is idempotent.
+func (rb *reqBody) release() {
+	rb.mu.Lock()
+	defer rb.mu.Unlock()
+	rb.budget.Release(rb.held)
+	rb.held, rb.b, rb.released = 0, nil, true
+}
+
+var errBodyReleased = errors.New("proxy: request body already released")
+
+// upstreamBody is the request body as sent to a worker. It forgets the
+// bytes once the transport closes it (after writing them), so a long
+// response does not keep the request body alive through resp.Request.
+type upstreamBody struct {
+	mu sync.Mutex
+	r  bytes.Reader
+}
+
+func (u *upstreamBody) Read(b []byte) (int, error) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.r.Read(b)
+}
+
+// Close implements io.Closer.
+func (u *upstreamBody) Close() error {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	u.r.Reset(nil)
+	return nil
+}
+
+// readBody reads the request body, bounded by MaxBodyBytes, the buffer
+// budget and the deadline (the decision deadline: headers → decision).
+// The buffer grows with the bytes received, never with a declared
+// Content-Length, and each chunk is charged to the budget as it arrives.
+// The read deadline is cleared once the body has been read in full, so the
+// response (a long SSE stream) is never cut; on an error it stays, which
+// bounds net/http's draining of what is left of the body.
+func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request, deadline time.Time) (*reqBody, error) {
+	rb := &reqBody{budget: p.budget}
 	limit := p.cfg.MaxBodyBytes
 	if r.ContentLength > limit {
 		return nil, fmt.Errorf("%w: more than %d bytes", extproc.ErrBodyTooLarge, limit)
 	}
-	if r.Body == nil || r.Body == http.NoBody {
-		return nil, nil
+	if r.Body == nil || r.Body == http.NoBody || r.ContentLength == 0 {
+		return rb, nil
 	}
-	var buf bytes.Buffer
+	rc := http.NewResponseController(w)
+	// ErrNotSupported only for a ResponseWriter that is not net/http's
+	// (serve always uses net/http's server).
+	deadlineSet := rc.SetReadDeadline(deadline) == nil
+	fail := func(err error) (*reqBody, error) {
+		rb.release()
+		return nil, err
+	}
+	size := int64(initialBodyBuffer)
 	if r.ContentLength > 0 {
-		buf.Grow(int(r.ContentLength) + 1)
+		size = min(r.ContentLength+1, size) // +1: EOF without growing
 	}
-	_, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, limit))
-	var mbe *http.MaxBytesError
-	switch {
-	case errors.As(err, &mbe):
-		return nil, fmt.Errorf("%w: more than %d bytes", extproc.ErrBodyTooLarge, limit)
-	case err != nil:
-		return nil, &extproc.Rejection{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "body_read_error", Err: err}
+	buf := make([]byte, 0, min(size, limit+1))
+	for {
+		if len(buf) == cap(buf) {
+			grown := make([]byte, len(buf), min(2*int64(cap(buf)), limit+1))
+			copy(grown, buf)
+			buf = grown
+		}
+		n, err := r.Body.Read(buf[len(buf):cap(buf)])
+		if n > 0 {
+			if !p.budget.Take(int64(n)) {
+				return fail(fmt.Errorf("%w: request body of %s", extproc.ErrBufferBudget, r.URL.Path))
+			}
+			rb.held += int64(n)
+			buf = buf[:len(buf)+n]
+			if int64(len(buf)) > limit {
+				return fail(fmt.Errorf("%w: more than %d bytes", extproc.ErrBodyTooLarge, limit))
+			}
+		}
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			var ne net.Error
+			if errors.Is(err, os.ErrDeadlineExceeded) || errors.As(err, &ne) && ne.Timeout() {
+				return fail(fmt.Errorf("%w: request body not received within %v (%d bytes arrived)", extproc.ErrDecisionTimeout, p.cfg.DecisionTimeout, len(buf)))
+			}
+			var mbe *http.MaxBytesError
+			if errors.As(err, &mbe) {
+				return fail(fmt.Errorf("%w: more than %d bytes", extproc.ErrBodyTooLarge, limit))
+			}
+			return fail(&extproc.Rejection{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "body_read_error", Err: err})
+		}
 	}
-	return buf.Bytes(), nil
+	if deadlineSet {
+		_ = rc.SetReadDeadline(time.Time{})
+	}
+	rb.b = buf
+	return rb, nil
 }
 
 // build parses, reads hints and tokenizes: the routing.Request for body.
-func (p *Proxy) build(ctx context.Context, r *http.Request, kind openai.Kind, body []byte) (routing.Request, error) {
-	req := routing.Request{ID: r.Header.Get("X-Request-Id"), Path: r.URL.RequestURI(), Arrival: p.clk.Now()}
+func (p *Proxy) build(ctx context.Context, r *http.Request, target string, kind openai.Kind, body []byte) (routing.Request, error) {
+	req := routing.Request{ID: r.Header.Get("X-Request-Id"), Path: target, Arrival: p.clk.Now()}
 	if p.cfg.TenantHeader != "" {
 		req.Tenant = r.Header.Get(p.cfg.TenantHeader)
 	}
@@ -293,10 +505,11 @@ func (p *Proxy) build(ctx context.Context, r *http.Request, kind openai.Kind, bo
 	return req, nil
 }
 
-// forward routes and proxies one request.
-func (p *Proxy) forward(w http.ResponseWriter, r *http.Request) {
-	kind := openai.KindOf(r.URL.Path)
-	path := extproc.PathClass(kind, r.URL.Path)
+// forward routes and proxies one request whose cleaned path is clean.
+func (p *Proxy) forward(w http.ResponseWriter, r *http.Request, clean string, kind openai.Kind, path string) {
+	// The decision deadline runs from the request headers, as on the
+	// ext_proc path: it covers the body read and the pick.
+	deadline := time.Now().Add(p.cfg.DecisionTimeout)
 	if p.stopCtx.Err() != nil {
 		p.fail(w, path, errStopped)
 		return
@@ -307,17 +520,20 @@ func (p *Proxy) forward(w http.ResponseWriter, r *http.Request) {
 	unhook := context.AfterFunc(p.stopCtx, func() { cancel(context.Cause(p.stopCtx)) })
 	defer unhook()
 
-	body, err := p.readBody(w, r)
+	body, err := p.readBody(w, r, deadline)
+	if err != nil {
+		closeUnread(w, r)
+		p.fail(w, path, err)
+		return
+	}
+	defer body.release()
+	target := (&url.URL{Path: clean, RawQuery: r.URL.RawQuery}).RequestURI()
+	req, err := p.build(ctx, r, target, kind, body.bytes())
 	if err != nil {
 		p.fail(w, path, err)
 		return
 	}
-	req, err := p.build(ctx, r, kind, body)
-	if err != nil {
-		p.fail(w, path, err)
-		return
-	}
-	pctx, cancelPick := context.WithTimeoutCause(ctx, p.cfg.DecisionTimeout, extproc.ErrDecisionTimeout)
+	pctx, cancelPick := context.WithDeadlineCause(ctx, deadline, extproc.ErrDecisionTimeout)
 	d, err := p.engine.Pick(pctx, &req)
 	cancelPick()
 	if err != nil {
@@ -335,7 +551,7 @@ func (p *Proxy) forward(w http.ResponseWriter, r *http.Request) {
 	x := &exchange{p: p, d: d, ctx: ctx}
 	defer func() { p.metrics.request(path, x.reply) }()
 	defer x.recoverEnd()
-	x.run(w, r, body)
+	x.run(w, r, target, body)
 }
 
 // exchange is one proxied request after its decision: it owns the
@@ -371,17 +587,21 @@ func (x *exchange) recoverEnd() {
 	}
 }
 
-func (x *exchange) run(w http.ResponseWriter, r *http.Request, body []byte) {
+// run sends the request to the chosen worker (target is the cleaned path
+// and the query) and streams the response back.
+func (x *exchange) run(w http.ResponseWriter, r *http.Request, target string, body *reqBody) {
 	p, d := x.p, x.d
 	ep := string(d.Endpoint)
-	up, err := http.NewRequestWithContext(x.ctx, r.Method, "http://"+ep+r.URL.RequestURI(), bytes.NewReader(body))
+	up, err := http.NewRequestWithContext(x.ctx, r.Method, "http://"+ep+target, http.NoBody)
 	if err != nil {
+		body.release()
 		x.end(routing.OutcomeRejected)
 		x.reply = p.reply(w, err)
 		return
 	}
-	if len(body) == 0 {
-		up.Body, up.GetBody, up.ContentLength = http.NoBody, nil, 0
+	if b := body.bytes(); len(b) > 0 {
+		up.Body, _ = body.open()
+		up.GetBody, up.ContentLength = body.open, int64(len(b))
 	}
 	up.Header = outboundHeader(r)
 	up.Header.Set(extproc.HeaderDestination, ep)
@@ -389,6 +609,10 @@ func (x *exchange) run(w http.ResponseWriter, r *http.Request, body []byte) {
 		up.Header.Set(extproc.HeaderDPRank, strconv.Itoa(d.DPRank))
 	}
 	resp, err := p.rt.RoundTrip(up)
+	// The worker has answered or cannot be reached: the body is no longer
+	// needed (the transport replays it, through GetBody, only inside
+	// RoundTrip).
+	body.release()
 	if err != nil {
 		if x.ctx.Err() != nil {
 			x.end(x.cancelKind())

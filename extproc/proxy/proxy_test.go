@@ -19,6 +19,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvbandit/kvbandit/e2e/worker"
+	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/extproc/proxy"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/policy"
@@ -92,6 +93,7 @@ type options struct {
 	// endpoints, when set, replaces the workers' addresses.
 	endpoints []routing.Endpoint
 	models    bool // declare the workers' model on their endpoints
+	budget    *extproc.Budget
 }
 
 func newFixture(t testing.TB, o options) *fixture {
@@ -132,7 +134,7 @@ func newFixture(t testing.TB, o options) *fixture {
 			t.Fatal(err)
 		}
 	}
-	f.proxy = proxy.New(o.cfg, proxy.Deps{Engine: f.engine})
+	f.proxy = proxy.New(o.cfg, proxy.Deps{Engine: f.engine, Budget: o.budget})
 	srv := httptest.NewServer(f.proxy)
 	f.url = srv.URL
 	tr := &http.Transport{DisableCompression: true}

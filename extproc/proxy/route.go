@@ -6,6 +6,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"time"
 
 	"github.com/tidwall/gjson"
 
@@ -41,19 +42,23 @@ type RouteResponse struct {
 // request; hints are read as for a proxied request.
 func (p *Proxy) route(w http.ResponseWriter, r *http.Request) {
 	if r.Method != http.MethodPost {
+		closeUnread(w, r)
 		p.fail(w, pathRoute, fmt.Errorf("%w: %s %s", ErrMethodNotAllowed, r.Method, RoutePath))
 		return
 	}
-	body, err := p.readBody(w, r)
+	body, err := p.readBody(w, r, time.Now().Add(p.cfg.DecisionTimeout))
 	if err != nil {
+		closeUnread(w, r)
 		p.fail(w, pathRoute, err)
 		return
 	}
+	defer body.release()
+	b := body.bytes()
 	kind := openai.KindChat
-	if !gjson.GetBytes(body, "messages").Exists() && gjson.GetBytes(body, "prompt").Exists() {
+	if !gjson.GetBytes(b, "messages").Exists() && gjson.GetBytes(b, "prompt").Exists() {
 		kind = openai.KindCompletion
 	}
-	req, err := p.build(r.Context(), r, kind, body)
+	req, err := p.build(r.Context(), r, RoutePath, kind, b)
 	if err != nil {
 		p.fail(w, pathRoute, err)
 		return
@@ -70,7 +75,7 @@ func (p *Proxy) route(w http.ResponseWriter, r *http.Request) {
 			out.Scores[scoreKey(s)] = s.Score
 		}
 	}
-	b, err := json.Marshal(&out)
+	js, err := json.Marshal(&out)
 	if err != nil {
 		p.fail(w, pathRoute, fmt.Errorf("encoding scores: %w", err))
 		return
@@ -78,7 +83,7 @@ func (p *Proxy) route(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set(HeaderEndpoint, out.Endpoint)
 	w.WriteHeader(http.StatusOK)
-	_, _ = w.Write(b)
+	_, _ = w.Write(js)
 	p.metrics.request(pathRoute, http.StatusOK)
 }
 

@@ -114,8 +114,8 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Policy, "policy", policy.Default, "routing policy: "+strings.Join(policy.Builtin().Names(), " | "))
 	fs.Int64Var(&o.Seed, "seed", 0, "random seed for reproducible decisions (0 = random)")
 	fs.Int64Var(&o.MaxBodyBytes, "max-body-bytes", extproc.DefaultMaxBodyBytes, "largest request body accepted (413 beyond, on the first chunk that crosses it)")
-	fs.IntVar(&o.MaxInflight, "max-inflight", extproc.DefaultMaxInflight, "concurrent ext_proc streams (503 beyond, before any buffering)")
-	fs.Int64Var(&o.MaxBufferedBytes, "max-buffered-bytes", 0, "request body bytes buffered across all streams (503 beyond); 0 = max(4 x max-body-bytes, 256 MiB)")
+	fs.IntVar(&o.MaxInflight, "max-inflight", extproc.DefaultMaxInflight, "concurrent ext_proc streams, and (counted apart) concurrent --http-addr proxy requests (503 beyond, before any buffering)")
+	fs.Int64Var(&o.MaxBufferedBytes, "max-buffered-bytes", 0, "request body bytes buffered at once by the ext_proc streams and the --http-addr proxy together (503 server_busy beyond); 0 = max(4 x max-body-bytes, 256 MiB)")
 	fs.IntVar(&o.Fallbacks, "fallbacks", 0, "extra endpoints appended to the destination list; keep 0 with ORIGINAL_DST data planes")
 	fs.DurationVar(&o.DecisionTimeout, "decision-timeout", extproc.DefaultDecisionTimeout, "request headers -> decision deadline (503 decision_timeout beyond); never applies to the response")
 	fs.DurationVar(&o.DrainTimeout, "drain-timeout", 25*time.Second, "on SIGTERM: readiness goes NOT_SERVING, open streams get this long to finish before they are closed")
@@ -406,6 +406,13 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	} else {
 		log.Info("no tokenizer configured: prompts are hashed from a byte estimate (give --tokenizer or models.<name>.tokenizer)")
 	}
+	// One budget for the request bytes the ext_proc streams and the proxy
+	// buffer: --max-buffered-bytes bounds them together.
+	maxBuffered := o.MaxBufferedBytes
+	if maxBuffered == 0 {
+		maxBuffered = extproc.DefaultMaxBufferedBytes(o.MaxBodyBytes)
+	}
+	budget := extproc.NewBudget(maxBuffered)
 	ep := extproc.NewServer(extproc.Config{
 		MaxBodyBytes:       o.MaxBodyBytes,
 		MaxInflight:        o.MaxInflight,
@@ -414,15 +421,16 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		ResponseProcessing: o.ResponseProcessing,
 		TenantHeader:       o.TenantHeader,
 		TokenizerTimeout:   secs(fileCfg.Tokenizer.TimeoutSecs),
-	}, extproc.Deps{Picker: engine, Tokenizer: tok, Logger: log, Registry: reg})
+	}, extproc.Deps{Picker: engine, Tokenizer: tok, Logger: log, Registry: reg, Budget: budget})
 	var px *proxy.Proxy
 	if ls.HTTP != nil || o.HTTPAddr != "" {
 		px = proxy.New(proxy.Config{
 			MaxBodyBytes:     o.MaxBodyBytes,
+			MaxInflight:      o.MaxInflight,
 			DecisionTimeout:  o.DecisionTimeout,
 			TenantHeader:     o.TenantHeader,
 			TokenizerTimeout: secs(fileCfg.Tokenizer.TimeoutSecs),
-		}, proxy.Deps{Engine: engine, Tokenizer: tok, Logger: log, Registry: reg, Clock: engine.Clock()})
+		}, proxy.Deps{Engine: engine, Tokenizer: tok, Logger: log, Registry: reg, Clock: engine.Clock(), Budget: budget})
 		defer px.CloseIdleConnections()
 	}
 
@@ -503,8 +511,11 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 			return fmt.Errorf("--http-addr: %w", err)
 		}
 		pl = httpTLS(pl, tlsSrc)
-		// No read or write timeout: a long SSE generation must not be cut.
-		psrv = &http.Server{Handler: px, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
+		// No whole-request read or write timeout: a long SSE generation
+		// must not be cut. The proxy bounds the body read itself (the
+		// decision deadline), and headers by time and size.
+		psrv = &http.Server{Handler: px, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute, MaxHeaderBytes: proxy.MaxHeaderBytes,
+			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
 	}
 
 	if o.ScrapeInterval > 0 {
