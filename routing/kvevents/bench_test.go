@@ -62,6 +62,32 @@ func benchFrames(b *testing.B, mapEnc, bytesHash bool) [][][]byte {
 	return out
 }
 
+// BenchmarkDecode decodes recorded vLLM messages (one BlockStored of
+// benchBlocks × benchBlockSize tokens each) without applying them.
+//
+//	go test -run '^$' -bench 'Decode$' -benchmem ./routing/kvevents
+func BenchmarkDecode(b *testing.B) {
+	for _, bc := range []struct {
+		name             string
+		mapEnc, bytesKey bool
+	}{
+		{"array-int", false, false},
+		{"map-bytes", true, true},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			msgs := benchFrames(b, bc.mapEnc, bc.bytesKey)
+			b.SetBytes(int64(len(msgs[0][2])))
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := range b.N {
+				if _, err := Decode(msgs[i%len(msgs)]); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
 // BenchmarkDecodeApply decodes recorded vLLM messages and applies them to a
 // real kvindex.Index; the goal is ≥ 500k blocks/s on one core.
 //

@@ -7,9 +7,7 @@ import (
 	"fmt"
 	"math"
 	"strconv"
-	"strings"
 
-	"github.com/vmihailenco/msgpack/v5"
 	"github.com/zeebo/xxh3"
 
 	"github.com/kvbandit/kvbandit/routing/kvindex"
@@ -17,11 +15,51 @@ import (
 
 // Errors returned by [Decode]. Every decoding failure wraps ErrMalformed.
 var (
-	// ErrMalformed means the message is not a vLLM KV event batch.
+	// ErrMalformed means the message is not a vLLM KV event batch, or one
+	// that exceeds the decoder's limits.
 	ErrMalformed = errors.New("kvevents: malformed message")
 	// ErrTokenCount means a BlockStored event's token_ids do not fill its
 	// block_hashes × block_size exactly; it also wraps kvindex.ErrBlockSize.
 	ErrTokenCount = errors.New("kvevents: token count does not match blocks × block size")
+)
+
+// Limits of one decoded message. A message over any of them is rejected
+// whole with ErrMalformed (the subscriber then treats the endpoint's view
+// as approximate). They bound what Decode allocates: at most about
+// 4 B × MaxTokensPerBatch + 40 B × MaxBlocksPerBatch + 104 B ×
+// MaxEventsPerBatch ≈ 25 MiB for the largest accepted batch, whatever the
+// message declares.
+//
+// What engines send, for scale: vLLM publishes one batch per scheduler
+// step, with about one BlockStored per request that filled blocks in that
+// step and the BlockRemoved of the blocks it evicted for them. A step
+// schedules at most max_num_batched_tokens (2,048–16,384 by default,
+// 131,072 in the largest configurations we know of) and max_num_seqs
+// requests (256–1,024), so a batch holds at most a few thousand blocks of
+// 16 tokens and about a thousand events. SGLang with page size 1 makes
+// every token a block: up to max_num_batched_tokens blocks.
+const (
+	// MaxEventsPerBatch bounds the events of one batch: 64× the largest
+	// max_num_seqs.
+	MaxEventsPerBatch = 1 << 16
+	// MaxBlocksPerEvent bounds the block hashes of one event: a whole
+	// 131,072-token step stored at page size 1.
+	MaxBlocksPerEvent = 1 << 17
+	// MaxBlocksPerBatch bounds the block hashes of one batch, stored and
+	// removed together: twice MaxBlocksPerEvent, for a step that evicts as
+	// many blocks as it stores.
+	MaxBlocksPerBatch = 1 << 18
+	// MaxTokensPerEvent bounds the token ids of one event: 8× the largest
+	// step.
+	MaxTokensPerEvent = 1 << 20
+	// MaxTokensPerBatch bounds the token ids of one batch (8 MiB decoded).
+	MaxTokensPerBatch = 1 << 21
+	// MaxStringBytes bounds type tags, map keys, medium, lora_name and
+	// kv_cache_spec_kind. vLLM's are short words and adapter names.
+	MaxStringBytes = 256
+	// MaxHashBytes bounds a byte-string block hash: vLLM sends 32-byte
+	// sha256 digests.
+	MaxHashBytes = 64
 )
 
 // maxBlockSize bounds block_size so a hostile value cannot make us allocate.
@@ -59,14 +97,20 @@ type Batch struct {
 //
 // Engine block hashes may be msgpack integers (signed values are taken
 // bitwise) or byte strings (vLLM's sha256 hashes), which become the xxh3-64
-// of their bytes. Decode never panics; any malformed input returns an
-// error wrapping ErrMalformed, and the returned events do not alias frames.
+// of their bytes. Decode never panics and allocates nothing a length
+// declared in the message asks for: it allocates only for values present
+// in the payload, within the limits above ([MaxEventsPerBatch] and the
+// others). Any malformed or over-limit input returns an error wrapping
+// ErrMalformed, and the returned events do not alias frames.
 func Decode(frames [][]byte) (Batch, error) {
 	if len(frames) != 3 {
 		return Batch{}, fmt.Errorf("%w: %d frames, want 3", ErrMalformed, len(frames))
 	}
 	if len(frames[1]) != 8 {
 		return Batch{}, fmt.Errorf("%w: sequence frame of %d bytes, want 8", ErrMalformed, len(frames[1]))
+	}
+	if len(frames[0]) > maxTopicBytes {
+		return Batch{}, fmt.Errorf("%w: topic of %d bytes, limit %d", ErrMalformed, len(frames[0]), maxTopicBytes)
 	}
 	b := Batch{Topic: string(frames[0]), Seq: binary.BigEndian.Uint64(frames[1])}
 	if err := decodePayload(frames[2], &b); err != nil {
@@ -75,120 +119,26 @@ func Decode(frames [][]byte) (Batch, error) {
 	return b, nil
 }
 
+// maxTopicBytes bounds the topic frame; vLLM's is "kv@<host>@<model>".
+const maxTopicBytes = 4096
+
 func decodePayload(p []byte, b *Batch) error {
-	r := bytes.NewReader(p)
-	d := msgpack.GetDecoder()
-	defer msgpack.PutDecoder(d)
-	d.Reset(r)
-	dec := decoder{d: d, r: r}
-	if err := dec.batch(b); err != nil {
+	dc := decoder{mpReader: mpReader{b: p}}
+	if err := dc.batch(b); err != nil {
 		return err
 	}
-	if r.Len() != 0 {
-		return dec.errf("%d trailing bytes", r.Len())
+	if dc.left() != 0 {
+		return dc.errf("%d trailing bytes", dc.left())
 	}
 	return nil
 }
 
+// decoder reads one EventBatch and counts what it has taken against the
+// per-batch limits.
 type decoder struct {
-	d *msgpack.Decoder
-	r *bytes.Reader
-}
-
-func (dc *decoder) errf(format string, args ...any) error {
-	return fmt.Errorf("%w: %s", ErrMalformed, fmt.Sprintf(format, args...))
-}
-
-func (dc *decoder) wrap(what string, err error) error {
-	return fmt.Errorf("%w: %s: %v", ErrMalformed, what, err)
-}
-
-// msgpack format classes, from the first byte.
-type class uint8
-
-const (
-	clsOther class = iota
-	clsNil
-	clsInt
-	clsFloat
-	clsStr
-	clsBin
-	clsArray
-	clsMap
-)
-
-func classify(c byte) class {
-	switch {
-	case c <= 0x7f || c >= 0xe0 || (c >= 0xcc && c <= 0xd3):
-		return clsInt
-	case c >= 0x80 && c <= 0x8f, c == 0xde, c == 0xdf:
-		return clsMap
-	case c >= 0x90 && c <= 0x9f, c == 0xdc, c == 0xdd:
-		return clsArray
-	case c >= 0xa0 && c <= 0xbf, c >= 0xd9 && c <= 0xdb:
-		return clsStr
-	case c == 0xc0:
-		return clsNil
-	case c >= 0xc4 && c <= 0xc6:
-		return clsBin
-	case c == 0xca, c == 0xcb:
-		return clsFloat
-	}
-	return clsOther
-}
-
-func (dc *decoder) peek() (class, byte, error) {
-	c, err := dc.d.PeekCode()
-	if err != nil {
-		return clsOther, 0, dc.wrap("truncated", err)
-	}
-	return classify(c), c, nil
-}
-
-// length reads an array or map header and checks it against the bytes
-// left, so hostile lengths cannot make us allocate.
-func (dc *decoder) length(cls class) (int, error) {
-	var n int
-	var err error
-	if cls == clsArray {
-		n, err = dc.d.DecodeArrayLen()
-	} else {
-		n, err = dc.d.DecodeMapLen()
-	}
-	if err != nil {
-		return 0, dc.wrap("length", err)
-	}
-	if n < 0 || n > dc.r.Len() {
-		return 0, dc.errf("length %d exceeds the %d bytes left", n, dc.r.Len())
-	}
-	return n, nil
-}
-
-// skip skips n values without recursion, so deeply nested input cannot
-// exhaust the stack.
-func (dc *decoder) skip(n int) error {
-	for n > 0 {
-		n--
-		cls, _, err := dc.peek()
-		if err != nil {
-			return err
-		}
-		if cls == clsArray || cls == clsMap {
-			l, err := dc.length(cls)
-			if err != nil {
-				return err
-			}
-			if cls == clsMap {
-				l *= 2
-			}
-			n += l
-			continue
-		}
-		if err := dc.d.Skip(); err != nil {
-			return dc.wrap("skip", err)
-		}
-	}
-	return nil
+	mpReader
+	blocks int // block hashes read, stored and removed
+	tokens int // token ids read
 }
 
 func (dc *decoder) batch(b *Batch) error {
@@ -224,14 +174,17 @@ func (dc *decoder) batch(b *Batch) error {
 		}
 		sawEvents := false
 		for range n {
-			k, err := dc.key()
+			k, err := dc.str("map key", MaxStringBytes)
 			if err != nil {
 				return err
 			}
-			switch k {
+			switch string(k) {
 			case "ts":
 				b.TS, err = dc.float()
 			case "events":
+				if sawEvents {
+					return dc.errf("events given twice")
+				}
 				sawEvents = true
 				err = dc.events(b)
 			case "data_parallel_rank":
@@ -251,43 +204,6 @@ func (dc *decoder) batch(b *Batch) error {
 	return dc.errf("batch is neither an array nor a map")
 }
 
-func (dc *decoder) key() (string, error) {
-	cls, _, err := dc.peek()
-	if err != nil {
-		return "", err
-	}
-	if cls != clsStr {
-		return "", dc.errf("map key is not a string")
-	}
-	s, err := dc.d.DecodeString()
-	if err != nil {
-		return "", dc.wrap("key", err)
-	}
-	return s, nil
-}
-
-func (dc *decoder) float() (float64, error) {
-	cls, _, err := dc.peek()
-	if err != nil {
-		return 0, err
-	}
-	switch cls {
-	case clsFloat:
-		f, err := dc.d.DecodeFloat64()
-		if err != nil {
-			return 0, dc.wrap("float", err)
-		}
-		return f, nil
-	case clsInt:
-		i, err := dc.d.DecodeInt64()
-		if err != nil {
-			return 0, dc.wrap("ts", err)
-		}
-		return float64(i), nil
-	}
-	return 0, dc.errf("timestamp is not a number")
-}
-
 func (dc *decoder) rank() (int, error) {
 	v, ok, err := dc.optInt()
 	if err != nil {
@@ -304,54 +220,41 @@ func (dc *decoder) rank() (int, error) {
 
 // optInt reads an integer or nil.
 func (dc *decoder) optInt() (int64, bool, error) {
-	cls, c, err := dc.peek()
+	cls, _, err := dc.peek()
 	if err != nil {
 		return 0, false, err
 	}
 	switch cls {
 	case clsNil:
-		return 0, false, dc.skip(1)
+		dc.off++
+		return 0, false, nil
 	case clsInt:
-		if c == 0xcf {
-			u, err := dc.d.DecodeUint64()
-			if err != nil {
-				return 0, false, dc.wrap("int", err)
-			}
-			if u > math.MaxInt64 {
-				return 0, false, dc.errf("integer %d out of range", u)
-			}
-			return int64(u), true, nil
-		}
-		i, err := dc.d.DecodeInt64()
-		if err != nil {
-			return 0, false, dc.wrap("int", err)
-		}
-		return i, true, nil
+		i, err := dc.int()
+		return i, err == nil, err
 	}
 	return 0, false, dc.errf("expected an integer or nil")
 }
 
-// optString reads a string or nil.
-func (dc *decoder) optString() (string, error) {
+// optString reads a string of at most MaxStringBytes, or nil (as an empty
+// view). The result aliases the payload.
+func (dc *decoder) optString(what string) ([]byte, error) {
 	cls, _, err := dc.peek()
 	if err != nil {
-		return "", err
+		return nil, err
 	}
 	switch cls {
 	case clsNil:
-		return "", dc.skip(1)
+		dc.off++
+		return nil, nil
 	case clsStr:
-		s, err := dc.d.DecodeString()
-		if err != nil {
-			return "", dc.wrap("string", err)
-		}
-		return s, nil
+		return dc.bytesOf(what, MaxStringBytes)
 	}
-	return "", dc.errf("expected a string or nil")
+	return nil, dc.errf("%s is neither a string nor nil", what)
 }
 
 // hash reads an engine block hash: an integer (taken bitwise), or bytes or
-// a string (xxh3-64 of the bytes). ok is false for nil.
+// a string of at most MaxHashBytes (xxh3-64 of the bytes). ok is false for
+// nil.
 func (dc *decoder) hash() (h uint64, ok bool, err error) {
 	cls, c, err := dc.peek()
 	if err != nil {
@@ -359,44 +262,33 @@ func (dc *decoder) hash() (h uint64, ok bool, err error) {
 	}
 	switch cls {
 	case clsNil:
-		return 0, false, dc.skip(1)
+		dc.off++
+		return 0, false, nil
 	case clsInt:
-		if c == 0xcf || c <= 0x7f || (c >= 0xcc && c <= 0xce) {
-			u, err := dc.d.DecodeUint64()
-			if err != nil {
-				return 0, false, dc.wrap("hash", err)
-			}
-			return u, true, nil
+		if c <= 0x7f {
+			dc.off++
+			return uint64(c), true, nil
 		}
-		i, err := dc.d.DecodeInt64()
-		if err != nil {
-			return 0, false, dc.wrap("hash", err)
-		}
-		return uint64(i), true, nil
+		u, _, err := dc.integer()
+		return u, err == nil, err
 	case clsBin, clsStr:
-		var bs []byte
-		if cls == clsBin {
-			bs, err = dc.d.DecodeBytes()
-		} else {
-			var s string
-			s, err = dc.d.DecodeString()
-			bs = []byte(s)
-		}
+		bs, err := dc.bytesOf("block hash", MaxHashBytes)
 		if err != nil {
-			return 0, false, dc.wrap("hash", err)
+			return 0, false, err
 		}
 		return xxh3.Hash(bs), true, nil
 	}
 	return 0, false, dc.errf("block hash is neither an integer nor bytes")
 }
 
-func (dc *decoder) hashes(dst []uint64) ([]uint64, error) {
+func (dc *decoder) hashes() ([]uint64, error) {
 	cls, _, err := dc.peek()
 	if err != nil {
 		return nil, err
 	}
 	if cls == clsNil {
-		return dst, dc.skip(1)
+		dc.off++
+		return nil, nil
 	}
 	if cls != clsArray {
 		return nil, dc.errf("block_hashes is not an array")
@@ -405,7 +297,17 @@ func (dc *decoder) hashes(dst []uint64) ([]uint64, error) {
 	if err != nil {
 		return nil, err
 	}
-	for range n {
+	if n > MaxBlocksPerEvent {
+		return nil, dc.errf("%d block hashes in one event, limit %d", n, MaxBlocksPerEvent)
+	}
+	if dc.blocks += n; dc.blocks > MaxBlocksPerBatch {
+		return nil, dc.errf("more than %d block hashes in one batch", MaxBlocksPerBatch)
+	}
+	if n == 0 {
+		return nil, nil
+	}
+	out := make([]uint64, n)
+	for i := range out {
 		h, ok, err := dc.hash()
 		if err != nil {
 			return nil, err
@@ -413,18 +315,19 @@ func (dc *decoder) hashes(dst []uint64) ([]uint64, error) {
 		if !ok {
 			return nil, dc.errf("nil block hash")
 		}
-		dst = append(dst, h)
+		out[i] = h
 	}
-	return dst, nil
+	return out, nil
 }
 
-func (dc *decoder) tokens() ([]uint32, error) {
+func (dc *decoder) tokenIDs() ([]uint32, error) {
 	cls, _, err := dc.peek()
 	if err != nil {
 		return nil, err
 	}
 	if cls == clsNil {
-		return nil, dc.skip(1)
+		dc.off++
+		return nil, nil
 	}
 	if cls != clsArray {
 		return nil, dc.errf("token_ids is not an array")
@@ -433,24 +336,42 @@ func (dc *decoder) tokens() ([]uint32, error) {
 	if err != nil {
 		return nil, err
 	}
+	if n > MaxTokensPerEvent {
+		return nil, dc.errf("%d token ids in one event, limit %d", n, MaxTokensPerEvent)
+	}
+	if dc.tokens += n; dc.tokens > MaxTokensPerBatch {
+		return nil, dc.errf("more than %d token ids in one batch", MaxTokensPerBatch)
+	}
 	toks := make([]uint32, n)
+	p := dc.b
 	for i := range toks {
-		cls, c, err := dc.peek()
-		if err != nil {
-			return nil, err
+		// Fast paths for the unsigned formats tokens come in; the length
+		// check above guarantees a first byte per remaining element, not
+		// the bytes after it.
+		off := dc.off
+		if off >= len(p) {
+			return nil, dc.errf("truncated")
 		}
-		if cls != clsInt {
+		switch c := p[off]; {
+		case c <= 0x7f: // positive fixint
+			toks[i] = uint32(c)
+			dc.off = off + 1
+			continue
+		case c == 0xcd && off+3 <= len(p): // uint16
+			toks[i] = uint32(binary.BigEndian.Uint16(p[off+1:]))
+			dc.off = off + 3
+			continue
+		case c == 0xce && off+5 <= len(p): // uint32
+			toks[i] = binary.BigEndian.Uint32(p[off+1:])
+			dc.off = off + 5
+			continue
+		case classes[c] != clsInt:
 			// Eagle bigram pairs and other shapes are not token ids.
 			return nil, dc.errf("token id %d is not an integer", i)
 		}
-		if c <= 0x7f { // positive fixint: the common case, no decoder call
-			_, _ = dc.r.ReadByte()
-			toks[i] = uint32(c)
-			continue
-		}
-		v, err := dc.d.DecodeInt64()
+		v, err := dc.int()
 		if err != nil {
-			return nil, dc.wrap("token id", err)
+			return nil, err
 		}
 		if v < 0 || v > math.MaxUint32 {
 			return nil, dc.errf("token id %d out of range", v)
@@ -460,9 +381,20 @@ func (dc *decoder) tokens() ([]uint32, error) {
 	return toks, nil
 }
 
+// Event types.
+type evType uint8
+
+const (
+	evOther evType = iota
+	evStored
+	evRemoved
+	evCleared
+)
+
 // rawEvent holds the fields of one event before it becomes a kvindex.Event.
+// Its byte slices alias the payload.
 type rawEvent struct {
-	typ       string
+	typ       evType
 	hashes    []uint64
 	parent    uint64
 	hasParent bool
@@ -470,18 +402,67 @@ type rawEvent struct {
 	blockSize int64
 	loraID    int64
 	hasLoRAID bool
-	loraName  string
-	medium    string
+	loraName  []byte
+	medium    []byte
 	groupIdx  int64
-	specKind  string
+	specKind  []byte
 }
 
 // Field order of msgspec's array_like encoding, after the tag
 // (vllm/distributed/kv_events.py).
-var (
-	storedFields  = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
-	removedFields = []string{"block_hashes", "medium", "group_idx"}
+const (
+	fOther = iota
+	fBlockHashes
+	fParent
+	fTokenIDs
+	fBlockSize
+	fLoRAID
+	fMedium
+	fLoRAName
+	fGroupIdx
+	fSpecKind
 )
+
+var (
+	storedFields  = [...]uint8{fBlockHashes, fParent, fTokenIDs, fBlockSize, fLoRAID, fMedium, fLoRAName, fOther /* extra_keys */, fGroupIdx, fSpecKind, fOther /* kv_cache_spec_sliding_window */}
+	removedFields = [...]uint8{fBlockHashes, fMedium, fGroupIdx}
+)
+
+func fieldOf(name []byte) uint8 {
+	switch string(name) {
+	case "block_hashes":
+		return fBlockHashes
+	case "parent_block_hash":
+		return fParent
+	case "token_ids":
+		return fTokenIDs
+	case "block_size":
+		return fBlockSize
+	case "lora_id":
+		return fLoRAID
+	case "medium":
+		return fMedium
+	case "lora_name":
+		return fLoRAName
+	case "group_idx":
+		return fGroupIdx
+	case "kv_cache_spec_kind":
+		return fSpecKind
+	}
+	return fOther
+}
+
+func typeOf(tag []byte) evType {
+	switch string(tag) {
+	case "BlockStored":
+		return evStored
+	case "BlockRemoved":
+		return evRemoved
+	case "AllBlocksCleared":
+		return evCleared
+	}
+	return evOther
+}
 
 func (dc *decoder) events(b *Batch) error {
 	cls, _, err := dc.peek()
@@ -494,6 +475,9 @@ func (dc *decoder) events(b *Batch) error {
 	n, err := dc.length(cls)
 	if err != nil {
 		return err
+	}
+	if n > MaxEventsPerBatch {
+		return dc.errf("%d events in one batch, limit %d", n, MaxEventsPerBatch)
 	}
 	b.Events = make([]kvindex.Event, 0, n)
 	for i := range n {
@@ -522,22 +506,24 @@ func (dc *decoder) event(ev *rawEvent) error {
 		if n < 1 {
 			return dc.errf("empty event array")
 		}
-		if ev.typ, err = dc.key(); err != nil {
+		tag, err := dc.str("event tag", MaxStringBytes)
+		if err != nil {
 			return err
 		}
-		var names []string
+		ev.typ = typeOf(tag)
+		var names []uint8
 		switch ev.typ {
-		case "BlockStored":
-			names = storedFields
-		case "BlockRemoved":
-			names = removedFields
+		case evStored:
+			names = storedFields[:]
+		case evRemoved:
+			names = removedFields[:]
 		}
 		for i := 1; i < n; i++ {
-			name := ""
+			f := uint8(fOther)
 			if i-1 < len(names) {
-				name = names[i-1]
+				f = names[i-1]
 			}
-			if err := dc.field(ev, name); err != nil {
+			if err := dc.field(ev, f); err != nil {
 				return err
 			}
 		}
@@ -548,17 +534,19 @@ func (dc *decoder) event(ev *rawEvent) error {
 			return err
 		}
 		for range n {
-			k, err := dc.key()
+			k, err := dc.str("map key", MaxStringBytes)
 			if err != nil {
 				return err
 			}
-			if k == "type" {
-				if ev.typ, err = dc.key(); err != nil {
+			if string(k) == "type" {
+				tag, err := dc.str("event type", MaxStringBytes)
+				if err != nil {
 					return err
 				}
+				ev.typ = typeOf(tag)
 				continue
 			}
-			if err := dc.field(ev, k); err != nil {
+			if err := dc.field(ev, fieldOf(k)); err != nil {
 				return err
 			}
 		}
@@ -567,27 +555,27 @@ func (dc *decoder) event(ev *rawEvent) error {
 	return dc.errf("event is neither an array nor a map")
 }
 
-func (dc *decoder) field(ev *rawEvent, name string) error {
+func (dc *decoder) field(ev *rawEvent, f uint8) error {
 	var err error
-	switch name {
-	case "block_hashes":
-		ev.hashes, err = dc.hashes(ev.hashes[:0])
-	case "parent_block_hash":
+	switch f {
+	case fBlockHashes:
+		ev.hashes, err = dc.hashes()
+	case fParent:
 		ev.parent, ev.hasParent, err = dc.hash()
-	case "token_ids":
-		ev.tokens, err = dc.tokens()
-	case "block_size":
+	case fTokenIDs:
+		ev.tokens, err = dc.tokenIDs()
+	case fBlockSize:
 		ev.blockSize, _, err = dc.optInt()
-	case "lora_id":
+	case fLoRAID:
 		ev.loraID, ev.hasLoRAID, err = dc.optInt()
-	case "medium":
-		ev.medium, err = dc.optString()
-	case "lora_name":
-		ev.loraName, err = dc.optString()
-	case "group_idx":
+	case fMedium:
+		ev.medium, err = dc.optString("medium")
+	case fLoRAName:
+		ev.loraName, err = dc.optString("lora_name")
+	case fGroupIdx:
 		ev.groupIdx, _, err = dc.optInt()
-	case "kv_cache_spec_kind":
-		ev.specKind, err = dc.optString()
+	case fSpecKind:
+		ev.specKind, err = dc.optString("kv_cache_spec_kind")
 	default:
 		err = dc.skip(1)
 	}
@@ -600,32 +588,40 @@ func (ev *rawEvent) mainGroup() bool {
 	if ev.groupIdx != 0 {
 		return false
 	}
-	k := strings.ToLower(ev.specKind)
-	return k == "" || strings.Contains(k, "full") || strings.Contains(k, "mla")
+	k := ev.specKind
+	return len(k) == 0 || containsFold(k, "full") || containsFold(k, "mla")
 }
 
-// gpuMedium reports whether an event is about the device KV cache.
-func (ev *rawEvent) gpuMedium() bool {
-	switch strings.ToUpper(ev.medium) {
-	case "", "GPU", "DEVICE":
-		return true
+// containsFold reports whether s contains the lower-case ASCII word sub,
+// ignoring ASCII case.
+func containsFold(s []byte, sub string) bool {
+	for i := 0; i+len(sub) <= len(s); i++ {
+		if bytes.EqualFold(s[i:i+len(sub)], []byte(sub)) {
+			return true
+		}
 	}
 	return false
 }
 
+// gpuMedium reports whether an event is about the device KV cache.
+func (ev *rawEvent) gpuMedium() bool {
+	m := ev.medium
+	return len(m) == 0 || bytes.EqualFold(m, []byte("GPU")) || bytes.EqualFold(m, []byte("DEVICE"))
+}
+
 func (b *Batch) add(ev *rawEvent) error {
 	switch ev.typ {
-	case "AllBlocksCleared":
+	case evCleared:
 		b.Events = append(b.Events, kvindex.Event{Kind: kvindex.Cleared})
 		return nil
-	case "BlockRemoved":
+	case evRemoved:
 		if !ev.mainGroup() || !ev.gpuMedium() {
 			b.Ignored++
 			return nil
 		}
 		b.Events = append(b.Events, kvindex.Event{Kind: kvindex.Removed, RemovedHashes: ev.hashes})
 		return nil
-	case "BlockStored":
+	case evStored:
 	default:
 		b.Ignored++
 		return nil
@@ -650,7 +646,7 @@ func (b *Batch) add(ev *rawEvent) error {
 		// vLLM sends nil; a real hash of 0 has probability 2^-64.
 		HasParent: ev.hasParent && ev.parent != 0,
 		Parent:    ev.parent,
-		LoRA:      ev.loraName,
+		LoRA:      string(ev.loraName),
 		Blocks:    make([]kvindex.StoredBlock, len(ev.hashes)),
 	}
 	if out.LoRA == "" && ev.hasLoRAID {

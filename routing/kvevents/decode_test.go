@@ -190,7 +190,11 @@ func FuzzDecode(f *testing.F) {
 	f.Add(frames(f, 3, []any{1.0, []any{storedArray([]any{1, 2}, 9, tk, 4), []any{"BlockRemoved", []any{1}, "GPU"}, []any{"AllBlocksCleared"}}, 1})[2])
 	f.Add(frames(f, 3, map[string]any{"ts": 1.0, "events": []any{map[string]any{"type": "BlockStored", "block_hashes": []any{[]byte("0123456789abcdef0123456789abcdef")}, "token_ids": anyInts(tk[:4]), "block_size": 4}}})[2])
 	f.Fuzz(func(t *testing.T, payload []byte) {
+		before := heapAllocs()
 		b, err := Decode([][]byte{[]byte("kv"), seqFrame(1), payload})
+		if alloc := heapAllocs() - before; alloc > allocBound(payload) {
+			t.Fatalf("Decode of %d bytes allocated %d bytes, bound %d", len(payload), alloc, allocBound(payload))
+		}
 		if err != nil {
 			if !errors.Is(err, ErrMalformed) {
 				t.Fatalf("unexpected error kind: %v", err)

@@ -5,16 +5,21 @@
 //
 // [Decode] reads one 3-frame message (topic, 8-byte big-endian sequence
 // number, msgpack EventBatch) in either encoding vLLM emits: msgspec
-// array_like tagged tuples or maps with a "type" key. [Subscribe] runs one
-// SUB socket per endpoint, bound or connected, and feeds the decoded events
-// to an Apply callback in the worker's order.
+// array_like tagged tuples or maps with a "type" key. It reads msgpack
+// with a small reader of its own that checks every declared length
+// against the bytes present and the limits ([MaxEventsPerBatch] and the
+// others) before it allocates. [Subscribe] runs one ZMTP SUB socket
+// (package internal/zmtp) per endpoint, bound or connected, and feeds the
+// decoded events to an Apply callback in the worker's order.
 //
 // # Concurrency
 //
-// Each [Sub] has two goroutines: a reader that only moves messages from the
-// socket into a bounded queue (dropping and counting when it is full) and
-// an applier that checks sequence numbers, replays gaps and calls Apply.
-// Apply, OnTrust and OnResync are called from the applier only.
+// Each [Sub] has one goroutine per ZMTP connection (one when it connects;
+// as many as publishers, up to Config.MaxConns, when it binds) plus the
+// socket's accept or dial loop. They only move messages into a queue
+// bounded in messages and bytes (dropping and counting when it is full).
+// One applier goroutine checks sequence numbers, replays gaps and calls
+// Apply; Apply, OnTrust and OnResync are called from it only.
 //
 // # Lifecycle
 //
@@ -24,5 +29,5 @@
 // from the worker's replay_endpoint fills the gap. A sequence number going
 // backwards is a worker restart: every rank seen gets a Cleared event, and
 // a restart at sequence 0 is exact again; so is an AllBlocksCleared event.
-// Close stops both goroutines.
+// Close stops every goroutine of the Sub.
 package kvevents

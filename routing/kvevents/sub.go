@@ -11,8 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/go-zeromq/zmq4"
-
+	"github.com/kvbandit/kvbandit/internal/zmtp"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 )
 
@@ -34,11 +33,22 @@ type Config struct {
 	// llm-d-inference-sim. A first message with this number means the
 	// subscriber saw the worker's cache from the start.
 	FirstSeq uint64
-	// QueueSize bounds the messages waiting between the socket reader and
-	// Apply; 0 means 1024. A full queue drops messages (counted).
+	// QueueSize bounds the messages waiting between the socket and Apply;
+	// 0 means 1024. A full queue drops messages (counted).
 	QueueSize int
+	// QueueBytes bounds the bytes of the messages waiting; 0 means 64 MiB.
+	// A message that does not fit is dropped (counted).
+	QueueBytes int
 	// ReplayTimeout bounds one replay request; 0 means 2 s.
 	ReplayTimeout time.Duration
+	// HandshakeTimeout bounds a ZMTP handshake; 0 means 5 s.
+	HandshakeTimeout time.Duration
+	// MaxConns caps the publishers connected at once in bind mode
+	// (handshaking ones included); 0 means 16. One worker needs one.
+	MaxConns int
+	// MaxMessageBytes bounds one ZMQ message (and each of its frames);
+	// 0 means 16 MiB, far above the largest batch Decode accepts.
+	MaxMessageBytes int
 }
 
 // Deps are the subscriber's collaborators.
@@ -67,7 +77,7 @@ type Stats struct {
 	Blocks         uint64 // stored blocks passed to Apply
 	Ignored        uint64 // events of other KV groups or media
 	Malformed      uint64 // messages that failed to decode
-	Dropped        uint64 // messages dropped because the queue was full
+	Dropped        uint64 // messages dropped because the queue was full (by count or bytes)
 	Duplicates     uint64 // messages with the last sequence number again
 	Gaps           uint64 // sequence gaps, drops included
 	Restarts       uint64 // sequence went backwards (worker restart)
@@ -77,7 +87,14 @@ type Stats struct {
 	UnknownParent  uint64 // Apply returned kvindex.ErrUnknownParent
 	UnknownBlock   uint64 // Apply returned kvindex.ErrUnknownBlock
 	ApplyErrors    uint64 // other Apply errors
-	Trusted        bool
+	// Connections are the ZMTP connections open now (handshaking ones
+	// included); ConnectionsRejected those refused because MaxConns were
+	// open; ConnectionErrors those ended by a failed handshake, a protocol
+	// error, a limit or a silent peer.
+	Connections         int64
+	ConnectionsRejected uint64
+	ConnectionErrors    uint64
+	Trusted             bool
 }
 
 // Sub is a running subscription to one endpoint's KV events.
@@ -86,12 +103,16 @@ type Sub struct {
 	deps Deps
 	log  *slog.Logger
 
-	sock   zmq4.Socket // the first socket; read replaces it in connect mode
-	ctx    context.Context
-	cancel context.CancelFunc
-	queue  chan zmq4.Msg
-	wg     sync.WaitGroup
-	once   sync.Once
+	sock     *zmtp.Sub
+	zopts    zmtp.Options
+	addr     net.Addr // bound address in bind mode
+	ctx      context.Context
+	cancel   context.CancelFunc
+	queue    chan [][]byte
+	queued   atomic.Int64 // bytes in queue
+	wg       sync.WaitGroup
+	stopOnce sync.Once
+	stopCtx  func() bool // unregisters the shutdown on ctx
 
 	c struct {
 		messages, events, blocks, ignored, malformed, dropped, duplicates,
@@ -109,8 +130,8 @@ type Sub struct {
 
 // Subscribe starts receiving one endpoint's KV events. In bind mode the
 // listen error is returned; in connect mode dialing happens in the
-// background. The Sub runs until Close or until ctx is done; Close must be
-// called either way.
+// background, retried until Close. The Sub runs until Close or until ctx
+// is done; Close must be called either way.
 func Subscribe(ctx context.Context, cfg Config, deps Deps) (*Sub, error) {
 	if deps.Apply == nil {
 		return nil, errors.New("kvevents: Deps.Apply is required")
@@ -121,32 +142,63 @@ func Subscribe(ctx context.Context, cfg Config, deps Deps) (*Sub, error) {
 	if cfg.QueueSize <= 0 {
 		cfg.QueueSize = 1024
 	}
+	if cfg.QueueBytes <= 0 {
+		cfg.QueueBytes = 64 << 20
+	}
 	if cfg.ReplayTimeout <= 0 {
 		cfg.ReplayTimeout = 2 * time.Second
+	}
+	if cfg.MaxConns <= 0 {
+		cfg.MaxConns = 16
+	}
+	if cfg.MaxMessageBytes <= 0 {
+		cfg.MaxMessageBytes = 16 << 20
 	}
 	s := &Sub{cfg: cfg, deps: deps, log: deps.Logger, trust: -1, ranks: map[int]struct{}{}}
 	if s.log == nil {
 		s.log = slog.Default()
 	}
 	s.log = s.log.With("endpoint", cfg.Endpoint, "kv_events", cfg.Address)
-	s.ctx, s.cancel = context.WithCancel(ctx)
-	s.queue = make(chan zmq4.Msg, cfg.QueueSize)
-	s.sock = newSubSocket(s.ctx)
-	if cfg.Bind {
-		if err := s.sock.Listen(cfg.Address); err != nil {
-			s.closeSock()
-			return nil, fmt.Errorf("kvevents: listen %s: %w", cfg.Address, err)
-		}
+	s.zopts = zmtp.Options{
+		Limits: zmtp.Limits{
+			MaxFrameSize:   cfg.MaxMessageBytes,
+			MaxMessageSize: cfg.MaxMessageBytes,
+			// Three frames, four in a replay reply; a few more do no harm
+			// and are reported by Decode.
+			MaxFrames: 8,
+		},
+		HandshakeTimeout: cfg.HandshakeTimeout,
+		MaxConns:         cfg.MaxConns,
+		Logger:           s.log,
 	}
-	s.wg.Add(2)
-	go s.read()
+	s.ctx, s.cancel = context.WithCancel(ctx)
+	s.queue = make(chan [][]byte, cfg.QueueSize)
+	s.sock = zmtp.NewSub(s.zopts, s.enqueue)
+	var err error
+	if cfg.Bind {
+		s.addr, err = s.sock.Listen(cfg.Address)
+	} else {
+		err = s.sock.Dial(cfg.Address)
+	}
+	if err != nil {
+		s.cancel()
+		_ = s.sock.Close()
+		return nil, fmt.Errorf("kvevents: %s: %w", cfg.Address, err)
+	}
+	s.stopCtx = context.AfterFunc(ctx, s.shutdown)
+	s.wg.Add(1)
 	go s.applyLoop()
 	return s, nil
 }
 
-func (s *Sub) closeSock() {
-	s.cancel()
-	_ = s.sock.Close()
+// shutdown closes the socket (no message arrives after it returns), then
+// the queue, which ends the apply loop.
+func (s *Sub) shutdown() {
+	s.stopOnce.Do(func() {
+		s.cancel()
+		_ = s.sock.Close()
+		close(s.queue)
+	})
 }
 
 // Addr is the bound address in bind mode (useful with port 0), else nil.
@@ -154,21 +206,21 @@ func (s *Sub) Addr() net.Addr {
 	if !s.cfg.Bind {
 		return nil
 	}
-	return s.sock.Addr() // the bound socket is never replaced
+	return s.addr
 }
 
 // Close stops the subscription and waits for its goroutines, including an
 // Apply call in progress (so Apply must not block indefinitely). Events
 // still queued are discarded.
 func (s *Sub) Close() {
-	s.once.Do(func() {
-		s.cancel() // read closes the socket on its way out
-		s.wg.Wait()
-	})
+	s.stopCtx()
+	s.shutdown()
+	s.wg.Wait()
 }
 
 // Stats returns the counters. It is safe to call concurrently.
 func (s *Sub) Stats() Stats {
+	z := s.sock.Stats()
 	return Stats{
 		Messages: s.c.messages.Load(), Events: s.c.events.Load(), Blocks: s.c.blocks.Load(),
 		Ignored: s.c.ignored.Load(), Malformed: s.c.malformed.Load(), Dropped: s.c.dropped.Load(),
@@ -176,80 +228,41 @@ func (s *Sub) Stats() Stats {
 		Resyncs: s.c.resyncs.Load(), Replays: s.c.replays.Load(), ReplayFailures: s.c.replayFailures.Load(),
 		UnknownParent: s.c.unknownParent.Load(), UnknownBlock: s.c.unknownBlock.Load(),
 		ApplyErrors: s.c.applyErrors.Load(), Trusted: s.trusted.Load(),
+		Connections: z.Conns, ConnectionsRejected: z.Rejected, ConnectionErrors: z.HandshakeFailures + z.Failures,
 	}
 }
 
-// read moves messages from the socket to the queue and never waits on
-// Apply. It owns the socket: in connect mode it dials (retrying until
-// Close) and, when the connection breaks, replaces the socket and dials
-// again. go-zeromq's WithAutomaticReconnect is not used: it races with
-// Close and, on a bound socket, dials its own listen address.
-func (s *Sub) read() {
-	defer s.wg.Done()
-	defer close(s.queue)
-	sock := s.sock
-	defer func() { _ = sock.Close() }()
-	for {
-		if !s.cfg.Bind {
-			if err := sock.Dial(s.cfg.Address); err != nil {
-				if s.ctx.Err() == nil {
-					s.log.Error("kv events: dial failed", "err", err)
-				}
-				return
-			}
-		}
-		s.recvLoop(sock)
-		if s.ctx.Err() != nil {
-			return
-		}
-		// The connection broke: start over with a fresh socket.
-		_ = sock.Close()
-		sock = newSubSocket(s.ctx)
-		select {
-		case <-s.ctx.Done():
-			return
-		case <-time.After(50 * time.Millisecond):
-		}
+// enqueue moves a message from a connection goroutine to the apply loop;
+// it never waits. A message over the queue's count or byte bound is
+// dropped: the sequence gap that follows triggers the resync.
+func (s *Sub) enqueue(frames [][]byte) {
+	n := 0
+	for _, f := range frames {
+		n += len(f)
 	}
-}
-
-func newSubSocket(ctx context.Context) zmq4.Socket {
-	sock := zmq4.NewSub(ctx, zmq4.WithDialerMaxRetries(-1))
-	_ = sock.SetOption(zmq4.OptionSubscribe, "") // cannot fail in go-zeromq
-	return sock
-}
-
-// recvLoop returns when ctx is done or, in connect mode, when the
-// connection breaks.
-func (s *Sub) recvLoop(sock zmq4.Socket) {
-	for {
-		msg, err := sock.Recv()
-		if err != nil {
-			if s.ctx.Err() != nil {
-				return
-			}
-			s.log.Info("kv events: connection lost", "err", err)
-			if !s.cfg.Bind {
-				return
-			}
-			continue // a bound socket keeps its other peers
-		}
-		select {
-		case s.queue <- msg:
-		default:
-			// The sequence gap that follows triggers the resync.
-			s.c.dropped.Add(1)
-		}
+	if s.queued.Add(int64(n)) > int64(s.cfg.QueueBytes) {
+		s.queued.Add(-int64(n))
+		s.c.dropped.Add(1)
+		return
+	}
+	select {
+	case s.queue <- frames:
+	default:
+		s.queued.Add(-int64(n))
+		s.c.dropped.Add(1)
 	}
 }
 
 func (s *Sub) applyLoop() {
 	defer s.wg.Done()
-	for msg := range s.queue {
-		if s.ctx.Err() != nil {
-			continue // drain so read can exit
+	for frames := range s.queue {
+		for _, f := range frames {
+			s.queued.Add(-int64(len(f)))
 		}
-		s.handle(msg.Frames)
+		if s.ctx.Err() != nil {
+			continue // closing: discard
+		}
+		s.handle(frames)
 	}
 }
 
@@ -405,28 +418,27 @@ func (s *Sub) replay(from, until uint64) bool {
 func (s *Sub) doReplay(from, until uint64) bool {
 	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.ReplayTimeout)
 	defer cancel()
-	sock := zmq4.NewDealer(ctx, zmq4.WithDialerMaxRetries(2), zmq4.WithDialerRetry(50*time.Millisecond))
-	defer sock.Close()
-	// Recv does not watch ctx by itself on every path: close on timeout.
-	stop := context.AfterFunc(ctx, func() { _ = sock.Close() })
-	defer stop()
-	if err := sock.Dial(s.cfg.ReplayAddress); err != nil {
+	sock, err := zmtp.DialDealer(ctx, s.cfg.ReplayAddress, s.zopts)
+	if err != nil {
 		s.log.Warn("kv events: replay dial", "err", err)
 		return false
 	}
+	defer sock.Close()
+	// The deadline covers the whole exchange: closing ends a Recv.
+	stop := context.AfterFunc(ctx, func() { _ = sock.Close() })
+	defer stop()
 	start := binary.BigEndian.AppendUint64(nil, from)
-	if err := sock.Send(zmq4.NewMsgFrom([]byte{}, start)); err != nil {
+	if err := sock.Send([]byte{}, start); err != nil {
 		s.log.Warn("kv events: replay request", "err", err)
 		return false
 	}
 	next := from
 	for {
-		msg, err := sock.Recv()
+		f, err := sock.Recv()
 		if err != nil {
 			s.log.Warn("kv events: replay receive", "err", err, "next", next)
 			return false
 		}
-		f := msg.Frames
 		if len(f) > 0 && len(f[0]) == 0 {
 			f = f[1:] // the DEALER's empty delimiter
 		}
@@ -469,12 +481,11 @@ func (s *Sub) doReplay(from, until uint64) bool {
 }
 
 // replayNext applies the next replayed message after a hole.
-func (s *Sub) replayNext(sock zmq4.Socket, next *uint64) bool {
-	msg, err := sock.Recv()
+func (s *Sub) replayNext(sock *zmtp.Conn, next *uint64) bool {
+	f, err := sock.Recv()
 	if err != nil {
 		return false
 	}
-	f := msg.Frames
 	if len(f) > 0 && len(f[0]) == 0 {
 		f = f[1:]
 	}

@@ -254,6 +254,22 @@ func TestQueueOverflowDrops(t *testing.T) {
 	}
 }
 
+// TestQueueBytesBound: messages that would take the queue over
+// QueueBytes are dropped, however few are queued.
+func TestQueueBytesBound(t *testing.T) {
+	pub, addr := newPub(t)
+	r := &recorder{}
+	s := subscribe(t, Config{Address: addr, QueueBytes: 64}, r)
+	eventually(t, "a drop", func() bool {
+		send(t, pub, storedMsg(t, 0, 10, nil)) // about 90 bytes
+		time.Sleep(5 * time.Millisecond)
+		return s.Stats().Dropped > 0
+	})
+	if st := s.Stats(); st.Messages != 0 {
+		t.Errorf("stats %+v; want every message dropped", st)
+	}
+}
+
 // replayServer is a stand-in for vLLM's replay ROUTER serving recorded
 // batches.
 func replayServer(t *testing.T, recorded map[uint64][]byte) string {
@@ -364,6 +380,9 @@ func TestSubscribeErrors(t *testing.T) {
 	}
 	if _, err := Subscribe(t.Context(), Config{Address: "bogus://x", Bind: true}, r.deps()); err == nil {
 		t.Error("no error for a bad bind address")
+	}
+	if _, err := Subscribe(t.Context(), Config{Address: "tcp://*:5557"}, r.deps()); err == nil {
+		t.Error("no error for connecting to a wildcard address")
 	}
 	_ = errors.New
 }
