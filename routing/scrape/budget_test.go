@@ -68,7 +68,11 @@ func TestHostileMetricsStayWithinBudget(t *testing.T) {
 	s := scrape.New(scrape.Config{Timeout: 20 * time.Second}, scrape.Deps{
 		Client:  newClient(t),
 		Targets: func() []scrape.Target { return targets },
-		OnError: func(_ scrape.Target, err error) { mu.Lock(); errs[err.Error()[:min(40, len(err.Error()))]]++; mu.Unlock() },
+		OnError: func(_ scrape.Target, err error) {
+			mu.Lock()
+			errs[err.Error()[:min(40, len(err.Error()))]]++
+			mu.Unlock()
+		},
 	})
 	runtime.GC()
 	var m runtime.MemStats
@@ -99,4 +103,3 @@ func hostileBody(name string, limit int64) string {
 		b.WriteString(line)
 	}
 }
-
