@@ -307,7 +307,7 @@ func TestEDSNoPickOutsideEnvoysCluster(t *testing.T) {
 			k := string(d.Endpoint)
 			if !fast.hadEver(k) || !slow.hadEver(k) {
 				bad.Add(1)
-				t.Errorf("picked %s: fast Envoy had it %v, slow %v", k, fast.hadEver(k), slow.hadEver(k))
+				t.Errorf("picked %s: fast Envoy had it %v, slow %v; server %+v", k, fast.hadEver(k), slow.hadEver(k), s.srv.Stats())
 			}
 			d.Done(routing.NoUsage(routing.OutcomeSuccess))
 		}
