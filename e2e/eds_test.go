@@ -276,8 +276,13 @@ func TestEDSEngineFollowsEnvoy(t *testing.T) {
 	s.hub.Refresh() // serve runs hub.Run, which does this periodically
 	waitFor(t, "Envoy drops b", func() bool { return !envoy.has(b) && envoy.has(a) && envoy.has(c) })
 
-	st := s.srv.Stats()
-	if len(st.Streams) != 1 || st.Streams[0].AckedVersion != st.Version || st.NACKs != 0 {
+	// The Envoy applies a version before it ACKs it: wait for the server to
+	// have the ACK.
+	waitFor(t, "the server has the ACK of the last version", func() bool {
+		st := s.srv.Stats()
+		return len(st.Streams) == 1 && st.Streams[0].AckedVersion == st.Version
+	})
+	if st := s.srv.Stats(); st.NACKs != 0 || st.ACKs < 3 {
 		t.Errorf("EDS stats %+v", st)
 	}
 }
@@ -307,7 +312,7 @@ func TestEDSNoPickOutsideEnvoysCluster(t *testing.T) {
 			k := string(d.Endpoint)
 			if !fast.hadEver(k) || !slow.hadEver(k) {
 				bad.Add(1)
-				t.Errorf("picked %s: fast Envoy had it %v, slow %v", k, fast.hadEver(k), slow.hadEver(k))
+				t.Errorf("picked %s: fast Envoy had it %v, slow %v; server %+v", k, fast.hadEver(k), slow.hadEver(k), s.srv.Stats())
 			}
 			d.Done(routing.NoUsage(routing.OutcomeSuccess))
 		}

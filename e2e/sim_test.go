@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -135,10 +136,18 @@ func TestSimWorkersEventsSteerRouting(t *testing.T) {
 	for i, s := range sims {
 		sims[i] = startSim(t, s.addr, s.zmq)
 	}
+	// kvbandit started first and its scrapes of the sims failed until they
+	// were up: an endpoint is ejected after 3 failed scrapes until a good
+	// one. Wait until kvbandit has scraped both sims, or the first requests
+	// can only go to the one it has (the product is right to do so).
+	k.waitScraped(t, k.endpoints)
 	px := startProxy(t, k, envoysim.Config{})
 	c := httpClient(t)
 
-	// Through kvbandit: both sims answer.
+	// Through kvbandit: both sims answer. The prompts share nothing, so
+	// their costs tie; the kv policy gives a tie to the endpoint with the
+	// smaller indexed tree, so the second request goes to the sim the first
+	// did not use.
 	served := map[string]int{}
 	for i := range 4 {
 		r := send(t, c, "POST", px.URL()+"/v1/completions", tokenPrompt(ids(uint32(100+i), 40)), nil)
@@ -237,4 +246,45 @@ func TestSimWorkersEventsSteerRouting(t *testing.T) {
 		}
 	}
 	t.Logf("requests through kvbandit per sim before the follow-ups: %v", served)
+}
+
+// waitScraped waits until kvbandit has every endpoint of addrs in its set,
+// not ejected, with no failed scrape since its last good one (a healthy
+// worker then needs 3 failed scrapes in a row to be ejected again).
+func (k *kvb) waitScraped(t *testing.T, addrs []string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	err := poll(ctx, func() (bool, string) {
+		req, _ := http.NewRequestWithContext(ctx, "GET", "http://"+k.metricsAddr+"/debug/endpoints", nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return false, err.Error()
+		}
+		defer resp.Body.Close()
+		var body struct {
+			Endpoints []struct {
+				Address string `json:"address"`
+				Health  struct {
+					Ejected        bool  `json:"ejected"`
+					ScrapeFailures int64 `json:"scrape_failures"`
+				} `json:"health"`
+			} `json:"endpoints"`
+		}
+		if err := json.NewDecoder(resp.Body).Decode(&body); err != nil {
+			return false, err.Error()
+		}
+		ok := 0
+		var state []string
+		for _, e := range body.Endpoints {
+			state = append(state, fmt.Sprintf("%s ejected=%v scrape_failures=%d", e.Address, e.Health.Ejected, e.Health.ScrapeFailures))
+			if slices.Contains(addrs, e.Address) && !e.Health.Ejected && e.Health.ScrapeFailures == 0 {
+				ok++
+			}
+		}
+		return ok == len(addrs), "endpoints not scraped yet: " + strings.Join(state, "; ")
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 }

@@ -751,9 +751,10 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 			if i, found := slices.BinarySearchFunc(ks.index, rs.worker, func(m kvindex.Match, w kvindex.WorkerID) int { return cmp.Compare(m.Worker, w) }); found {
 				c.Overlap = ks.index[i].Blocks
 			}
-			if c.Overlap > 0 || len(ks.index) > 0 {
-				c.TreeSize = e.index.Size(rs.worker)
-			}
+			// Always, not only when some candidate caches a block: exact
+			// ties between endpoints that cache nothing of the prompt (an
+			// idle fleet, fresh prompts) go to the less cached one too.
+			c.TreeSize = e.index.Size(rs.worker)
 			if !e.opts.DisableActiveBlocks {
 				c.NewBlocks = len(ks.keys) - rs.slot.ActivePrefix(ks.keys)
 			}

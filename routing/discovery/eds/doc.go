@@ -42,27 +42,36 @@
 // version it ACKed before, and the rejected version is not sent again (the
 // next change is). Nonces the stream never received are ignored.
 //
-// [Server.Pickable] (the Gate) is true for every key while no connected
-// stream has ever ACKed: no Envoy is connected, or every Envoy is still
-// warming its cluster (Envoy does not use an EDS cluster before its first
-// EDS response, so nothing can be routed through it wrongly). Otherwise it
-// is true only when every stream that has ACKed at least once has ACKed a
-// version whose assignment contains the key. A stream that disconnects, or
-// unsubscribes from the cluster, leaves the calculation. Pickability depends
-// only on what streams ACKed, never on Offer alone; after every ACK or
-// stream end that changes it, [Deps.OnChange] (the hub's Refresh) is
-// called, outside the server's locks.
+// [Server.Pickable] (the Gate) is true for every key while no stream
+// counts: no Envoy is connected, or none has been sent an assignment yet
+// (Envoy does not use an EDS cluster before its first EDS response, so
+// nothing can be routed through it wrongly). A subscribed stream counts from
+// its first response on. Envoy applies a version before it ACKs it, so a
+// stream may hold any version it has ACKed or been sent since: the key must
+// be in the version it last ACKed, in every version sent to it that it has
+// not answered yet (when more than 16 are unanswered, the keys common to
+// the forgotten ones stand in for them), and in the current version, which
+// it will be sent. A stream that disconnects, or unsubscribes from the
+// cluster, leaves the calculation; a stream that NACKed every version it
+// was sent holds nothing and does not count.
 //
-// A reconnecting Envoy that already holds an older assignment counts as
-// warming until it ACKs the version it is sent on the new stream (the
-// version it reports on its first request is not trusted: versions restart
-// with kvbandit).
+// Offer can only narrow the gate, by keys the new version lacks; the hub
+// has already taken those out of the engine. Everything that can widen it
+// (an ACK or NACK, a stream's end or unsubscription, a response that
+// replaced a version never sent) calls [Deps.OnChange] (the hub's Refresh),
+// outside the server's locks, so the gate never takes a key out from under
+// the engine and the engine learns of every key released.
+//
+// A reconnecting Envoy that already holds an older assignment counts from
+// the version it is sent on the new stream (the version it reports on its
+// first request is not trusted: versions restart with kvbandit).
 //
 // # Concurrency
 //
 // All methods are safe for concurrent use. Pickable is lock-free: it reads
-// an immutable gate (the keys every ACKing stream has) swapped with an
-// atomic pointer when an ACK or a stream end changes it. Offer never blocks
+// an immutable gate (the keys every counted stream may hold) swapped with
+// an atomic pointer when an Offer, a response, an ACK or a stream end
+// changes it. Offer never blocks
 // on a stream: it wakes each stream's goroutine, which sends. Offer and
 // Pickable may be called under the hub's lock; the server never calls the
 // hub while holding its own lock.

@@ -38,7 +38,8 @@ const (
 
 // maxUnanswered bounds the responses a stream may leave unanswered before
 // the oldest nonces are forgotten (Envoy answers every response; this only
-// caps the memory a broken client can hold).
+// caps the memory a broken client can hold). A forgotten response still
+// holds the gate back, through the stream's floor.
 const maxUnanswered = 16
 
 // Config configures a [Server].
@@ -90,8 +91,8 @@ type assignment struct {
 	resource *anypb.Any
 }
 
-// gate is the set of keys every ACKing stream has; open when no stream has
-// ACKed yet (everything is pickable).
+// gate is the set of keys that every counted stream has in every version
+// it may hold; open when no stream counts (everything is pickable).
 type gate struct {
 	open bool
 	keys map[routing.EndpointKey]struct{}
@@ -126,7 +127,10 @@ type stream struct {
 	subscribed, explicit bool
 	// sent maps the nonces of responses not answered yet to what they
 	// carried.
-	sent     map[uint64]*assignment
+	sent map[uint64]*assignment
+	// floor holds the keys common to the responses forgotten from sent
+	// (maxUnanswered) while they are unanswered; nil when none is.
+	floor    map[routing.EndpointKey]struct{}
 	lastSent *assignment
 	acked    *assignment
 	acks     uint64
@@ -174,8 +178,9 @@ func (s *Server) Close() {
 // Offer implements [discovery.Gate]. It builds the assignment of desired ∪
 // lingering (every endpoint HEALTHY), and when the addresses differ from
 // the current version's, makes it the next version and wakes every stream
-// to send it. It never blocks on a stream and never calls OnChange:
-// pickability follows ACKs only.
+// to send it. It never blocks on a stream and never calls OnChange: it may
+// only narrow pickability (a key the new version lacks), which grows on
+// ACKs only.
 func (s *Server) Offer(desired, lingering []routing.Endpoint) {
 	addrs := make([]netip.AddrPort, 0, len(desired)+len(lingering))
 	for _, list := range [][]routing.Endpoint{desired, lingering} {
@@ -203,6 +208,7 @@ func (s *Server) Offer(desired, lingering []routing.Endpoint) {
 		return
 	}
 	s.version, s.current = a.version, a
+	s.narrowLocked()
 	for _, st := range s.streams {
 		select {
 		case st.wake <- struct{}{}:
@@ -245,9 +251,11 @@ func (s *Server) build(version uint64, addrs []netip.AddrPort) (*assignment, err
 	return a, nil
 }
 
-// Pickable implements [discovery.Gate]: true while no connected stream has
-// ever ACKed; otherwise true when every stream that has ACKed has ACKed a
-// version containing key. It is lock-free.
+// Pickable implements [discovery.Gate]: true while no stream counts (none
+// has been sent an assignment); otherwise true when key is in every version
+// a counted stream may hold now or next: the one it ACKed, every one sent
+// to it that it has not answered yet (Envoy applies a version before it
+// ACKs it), and the current one, which it will be sent. It is lock-free.
 func (s *Server) Pickable(key routing.EndpointKey) bool {
 	g := s.gate.Load()
 	if g.open {
@@ -257,33 +265,90 @@ func (s *Server) Pickable(key routing.EndpointKey) bool {
 	return ok
 }
 
-// recomputeLocked rebuilds the gate from the streams' ACKed versions and
-// reports whether it changed. s.mu must be held.
-func (s *Server) recomputeLocked() bool {
-	var acked []*assignment
+// counts reports whether the stream holds the gate back: it uses the
+// cluster and has been sent an assignment, so Envoy may route with it. A
+// stream that was never sent one (or NACKed every one) holds nothing.
+func (st *stream) counts() bool {
+	return st.subscribed && (st.acked != nil || len(st.sent) > 0 || st.floor != nil)
+}
+
+// computeLocked builds the gate: the keys in every version each counted
+// stream may hold. s.mu must be held.
+func (s *Server) computeLocked() *gate {
+	var sets []map[routing.EndpointKey]struct{}
+	var seen []*assignment
+	add := func(a *assignment) {
+		if a != nil && !slices.Contains(seen, a) {
+			seen = append(seen, a)
+			sets = append(sets, a.keys)
+		}
+	}
+	counted := false
 	for _, st := range s.streams {
-		if st.acked != nil && !slices.Contains(acked, st.acked) {
-			acked = append(acked, st.acked)
+		if !st.counts() {
+			continue
+		}
+		counted = true
+		add(st.acked)
+		for _, a := range st.sent {
+			add(a)
+		}
+		if st.floor != nil {
+			sets = append(sets, st.floor)
 		}
 	}
-	g := &gate{open: len(acked) == 0}
-	if !g.open {
-		g.keys = make(map[routing.EndpointKey]struct{}, len(acked[0].keys))
-	next:
-		for k := range acked[0].keys {
-			for _, a := range acked[1:] {
-				if _, ok := a.keys[k]; !ok {
-					continue next
-				}
+	if !counted {
+		return &gate{open: true}
+	}
+	// A counted stream is sent the current version when it has not been.
+	add(s.current)
+	return &gate{keys: intersect(sets)}
+}
+
+// intersect returns the keys present in every set (none for no set).
+func intersect(sets []map[routing.EndpointKey]struct{}) map[routing.EndpointKey]struct{} {
+	if len(sets) == 0 {
+		return map[routing.EndpointKey]struct{}{}
+	}
+	slices.SortFunc(sets, func(x, y map[routing.EndpointKey]struct{}) int { return cmp.Compare(len(x), len(y)) })
+	out := make(map[routing.EndpointKey]struct{}, len(sets[0]))
+next:
+	for k := range sets[0] {
+		for _, o := range sets[1:] {
+			if _, ok := o[k]; !ok {
+				continue next
 			}
-			g.keys[k] = struct{}{}
 		}
+		out[k] = struct{}{}
 	}
+	return out
+}
+
+// recomputeLocked rebuilds the gate from the streams' versions and reports
+// whether it changed. s.mu must be held.
+func (s *Server) recomputeLocked() bool {
+	g := s.computeLocked()
 	if s.gate.Load().equal(g) {
 		return false
 	}
 	s.gate.Store(g)
 	return true
+}
+
+// narrowLocked applies a new current version to the gate without widening
+// it: nobody is told when Offer changes the gate (it runs under the hub's
+// lock), so a key may only become pickable again on the ACK that calls
+// OnChange. Narrowing never takes a key from the engine: the hub removes
+// an endpoint from the engine before it offers a version without it.
+// s.mu must be held.
+func (s *Server) narrowLocked() {
+	old, g := s.gate.Load(), s.computeLocked()
+	if !old.open && !g.open {
+		g.keys = intersect([]map[routing.EndpointKey]struct{}{old.keys, g.keys})
+	}
+	if !old.equal(g) {
+		s.gate.Store(g)
+	}
 }
 
 // open registers a new stream.
@@ -352,7 +417,10 @@ func (s *Server) serve(ss grpc.BidiStreamingServer[discoveryv3.DiscoveryRequest,
 				return err
 			}
 		case <-st.wake:
-			resp = s.pending(st)
+			var changed bool
+			if resp, changed = s.pending(st); changed {
+				s.onChange()
+			}
 		}
 		if resp != nil {
 			if err := ss.Send(resp); err != nil {
@@ -387,6 +455,10 @@ func (s *Server) handle(st *stream, req *discoveryv3.DiscoveryRequest) (*discove
 					delete(st.sent, k)
 				}
 			}
+			// Envoy answers in order: the forgotten responses, older than
+			// any remembered one, are answered too.
+			st.floor = nil
+			changed = true // the answered versions leave the gate
 			if d := req.GetErrorDetail(); d != nil {
 				st.nacks++
 				s.nacks++
@@ -395,10 +467,7 @@ func (s *Server) handle(st *stream, req *discoveryv3.DiscoveryRequest) (*discove
 			} else {
 				st.acks++
 				s.acks++
-				if st.acked != a {
-					st.acked = a
-					changed = s.recomputeLocked()
-				}
+				st.acked = a
 			}
 		}
 	}
@@ -410,15 +479,17 @@ func (s *Server) handle(st *stream, req *discoveryv3.DiscoveryRequest) (*discove
 		st.subscribed = slices.Contains(names, s.cluster) || slices.Contains(names, "*")
 	}
 	if wasSubscribed && !st.subscribed {
-		st.lastSent = nil
-		if st.acked != nil {
-			st.acked = nil
-			changed = s.recomputeLocked() || changed
-		}
+		// It no longer uses the cluster: it leaves the calculation.
+		st.lastSent, st.acked, st.sent, st.floor = nil, nil, map[uint64]*assignment{}, nil
+		changed = true
 	}
 	var resp *discoveryv3.DiscoveryResponse
 	if st.subscribed && s.current != nil && (st.lastSent != s.current || req.GetResponseNonce() == "") {
 		resp = s.responseLocked(st)
+		changed = true
+	}
+	if changed {
+		changed = s.recomputeLocked()
 	}
 	node, id := st.node, st.id
 	s.mu.Unlock()
@@ -438,22 +509,30 @@ type nackInfo struct {
 	msg            string
 }
 
-// pending returns the response a woken stream owes, if any.
-func (s *Server) pending(st *stream) *discoveryv3.DiscoveryResponse {
+// pending returns the response a woken stream owes, if any, and whether
+// sending it changed the gate (a stream's first response makes it count).
+func (s *Server) pending(st *stream) (*discoveryv3.DiscoveryResponse, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !st.subscribed || s.current == nil || st.lastSent == s.current {
-		return nil
+		return nil, false
 	}
-	return s.responseLocked(st)
+	resp := s.responseLocked(st)
+	return resp, s.recomputeLocked()
 }
 
 // responseLocked makes the response carrying the current version and
-// remembers its nonce. s.mu must be held.
+// remembers its nonce; the caller recomputes the gate. s.mu must be held.
 func (s *Server) responseLocked(st *stream) *discoveryv3.DiscoveryResponse {
 	s.nonce++
 	if len(st.sent) >= maxUnanswered {
-		delete(st.sent, slices.Min(slices.Collect(maps.Keys(st.sent))))
+		oldest := slices.Min(slices.Collect(maps.Keys(st.sent)))
+		if st.floor == nil {
+			st.floor = maps.Clone(st.sent[oldest].keys)
+		} else {
+			st.floor = intersect([]map[routing.EndpointKey]struct{}{st.floor, st.sent[oldest].keys})
+		}
+		delete(st.sent, oldest)
 	}
 	st.sent[s.nonce] = s.current
 	st.lastSent = s.current

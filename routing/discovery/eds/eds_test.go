@@ -63,9 +63,10 @@ func TestFirstResponseCarriesOfferedEndpoints(t *testing.T) {
 	if got, want := keysOf(t, resp), []string{a, b, c}; !equal(got, want) {
 		t.Errorf("endpoints %v, want %v (sorted by address)", got, want)
 	}
-	// Connected but not ACKed yet: Envoy is warming, nothing to hold back.
-	if got := pickable(f.srv, all...); !equal(got, all) {
-		t.Errorf("before the first ACK: pickable %v, want all", got)
+	// Sent, not ACKed yet: Envoy may already route with it (it applies a
+	// version before it ACKs it), so what it lacks is held back.
+	if got := pickable(f.srv, all...); !equal(got, []string{a, b, c}) {
+		t.Errorf("before the first ACK: pickable %v, want [%s %s %s]", got, a, b, c)
 	}
 }
 
@@ -316,6 +317,8 @@ func TestResourceNames(t *testing.T) {
 	if got := keysOf(t, other.recv()); !equal(got, []string{a}) {
 		t.Errorf("got %v", got)
 	}
+	other.close()
+	eventually(t, "envoy-other is gone", func() bool { return len(f.srv.Stats().Streams) == 0 })
 
 	// Wildcard: no names on the first request.
 	wild := f.connect(t, "envoy-wild", false)
@@ -444,4 +447,127 @@ func TestConcurrentUse(t *testing.T) {
 	}
 	f.srv.Close()
 	wg.Wait()
+}
+
+// TestSentVersionCountsBeforeItsACK: Envoy applies a version before it
+// ACKs it, so a stream that was sent version 1 may already route with it
+// while its ACK is on the way. An endpoint that version 1 lacks must not be
+// pickable then (it was, while no ACK had arrived: the gate was open).
+func TestSentVersionCountsBeforeItsACK(t *testing.T) {
+	f := start(t, eds.Config{}, nil)
+	f.srv.Offer(eps(a, b), nil)
+	cl := f.connect(t, "envoy-1", false, eds.DefaultCluster)
+	v1 := cl.recv() // applied by Envoy, ACK not sent yet
+	f.srv.Offer(eps(a, b, c), nil)
+	if got := pickable(f.srv, a, b, c); !equal(got, []string{a, b}) {
+		t.Errorf("version 1 sent, not ACKed yet: pickable %v, want [%s %s]", got, a, b)
+	}
+	cl.ack(v1)
+	ackedBy(t, f.srv, "envoy-1", 1)
+	v2 := cl.recv()
+	if got := pickable(f.srv, a, b, c); !equal(got, []string{a, b}) {
+		t.Errorf("version 2 sent, not ACKed yet: pickable %v, want [%s %s]", got, a, b)
+	}
+	before := f.changes.Load()
+	cl.ack(v2)
+	ackedBy(t, f.srv, "envoy-1", 2)
+	if got := pickable(f.srv, a, b, c); !equal(got, []string{a, b, c}) {
+		t.Errorf("after the ACK of version 2: pickable %v, want all three", got)
+	}
+	if f.changes.Load() == before {
+		t.Error("OnChange not called after the ACK of version 2")
+	}
+}
+
+// TestUnansweredVersionHoldsBackAReaddedEndpoint: b leaves (version 2) and
+// comes back (version 3) while Envoy has ACKed only version 1 and has been
+// sent version 2. Envoy will apply version 2, dropping b, before it sees
+// version 3: b must not be pickable until version 3 is ACKed (it was, on
+// the strength of version 1).
+func TestUnansweredVersionHoldsBackAReaddedEndpoint(t *testing.T) {
+	f := start(t, eds.Config{}, nil)
+	f.srv.Offer(eps(a, b), nil)
+	cl := f.connect(t, "envoy-1", false, eds.DefaultCluster)
+	cl.ack(cl.recv())
+	ackedBy(t, f.srv, "envoy-1", 1)
+
+	f.srv.Offer(eps(a), nil) // the hub has already dropped b from the engine
+	if got := pickable(f.srv, a, b); !equal(got, []string{a}) {
+		t.Errorf("version 2 without %s offered: pickable %v, want [%s]", b, got, a)
+	}
+	v2 := cl.recv()
+	f.srv.Offer(eps(a, b), nil) // b is back before Envoy answered version 2
+	if got := pickable(f.srv, a, b); !equal(got, []string{a}) {
+		t.Errorf("version 3 offered, version 2 unanswered: pickable %v, want [%s]", got, a)
+	}
+	v3 := cl.recv()
+	cl.ack(v2)
+	ackedBy(t, f.srv, "envoy-1", 2)
+	if got := pickable(f.srv, a, b); !equal(got, []string{a}) {
+		t.Errorf("version 2 ACKed, version 3 not yet: pickable %v, want [%s]", got, a)
+	}
+	before := f.changes.Load()
+	cl.ack(v3)
+	ackedBy(t, f.srv, "envoy-1", 3)
+	if got := pickable(f.srv, a, b); !equal(got, []string{a, b}) {
+		t.Errorf("after the ACK of version 3: pickable %v, want [%s %s]", got, a, b)
+	}
+	if f.changes.Load() == before {
+		t.Error("OnChange not called after the ACK of version 3")
+	}
+}
+
+// TestUnansweredVersionReplacedBeforeSending: when version 3 replaces
+// version 2 before the stream sent it, Envoy never sees version 2; b is
+// pickable again once Envoy ACKs version 3.
+func TestUnansweredVersionReplacedBeforeSending(t *testing.T) {
+	f := start(t, eds.Config{}, nil)
+	f.srv.Offer(eps(a, b), nil)
+	cl := f.connect(t, "envoy-1", false, eds.DefaultCluster)
+	cl.ack(cl.recv())
+	ackedBy(t, f.srv, "envoy-1", 1)
+	f.srv.Offer(eps(a), nil)
+	f.srv.Offer(eps(a, b), nil)
+	for {
+		resp := cl.recv()
+		cl.ack(resp)
+		if resp.GetVersionInfo() == "3" {
+			break
+		}
+	}
+	ackedBy(t, f.srv, "envoy-1", 3)
+	if got := pickable(f.srv, a, b); !equal(got, []string{a, b}) {
+		t.Errorf("after the ACK of version 3: pickable %v, want [%s %s]", got, a, b)
+	}
+}
+
+// TestForgottenResponsesStillHoldBack: a client that leaves more than 16
+// responses unanswered still holds back what the forgotten ones lack,
+// until it answers.
+func TestForgottenResponsesStillHoldBack(t *testing.T) {
+	f := start(t, eds.Config{}, nil)
+	f.srv.Offer(eps(a, b), nil)
+	cl := f.connect(t, "envoy-1", false, eds.DefaultCluster)
+	cl.ack(cl.recv())
+	ackedBy(t, f.srv, "envoy-1", 1)
+	// Version 2 lacks b; then 20 more versions, each received, none answered.
+	f.srv.Offer(eps(a), nil)
+	cl.recv()
+	var last *discoveryv3.DiscoveryResponse
+	for i := range 20 {
+		if i%2 == 0 {
+			f.srv.Offer(eps(a, b, c), nil)
+		} else {
+			f.srv.Offer(eps(a, b), nil)
+		}
+		last = cl.recv()
+	}
+	if got := pickable(f.srv, a, b, c); !equal(got, []string{a}) {
+		t.Errorf("version 2 forgotten but unanswered: pickable %v, want [%s]", got, a)
+	}
+	cl.ack(last)
+	eventually(t, "the last version is ACKed", func() bool { return len(pickable(f.srv, b)) == 1 })
+	if got := pickable(f.srv, a, b, c); !equal(got, []string{a, b}) {
+		t.Errorf("after the ACK of the last version: pickable %v, want [%s %s]", got, a, b)
+	}
 }

@@ -136,3 +136,29 @@ func TestHubEngineFollowsACKs(t *testing.T) {
 		t.Errorf("engine serves %v, want [%s %s]", got, a, c)
 	}
 }
+
+// TestHubHoldsBackWhileTheFirstACKIsOnTheWay: an Envoy has been sent the
+// first assignment and routes with it, but its ACK has not arrived. An
+// endpoint published then must not reach the engine before Envoy's cluster
+// has it (it did: with no ACK yet the gate let everything through).
+func TestHubHoldsBackWhileTheFirstACKIsOnTheWay(t *testing.T) {
+	engine := &fakeEngine{}
+	var hubp atomic.Pointer[discovery.Hub]
+	f := start(t, eds.Config{}, func() { hubp.Load().Refresh() })
+	hub := discovery.NewHub(discovery.HubDeps{Engine: engine, Gate: f.srv})
+	hubp.Store(hub)
+	if err := hub.Publish(set(a, b)); err != nil {
+		t.Fatal(err)
+	}
+	cl := f.connect(t, "envoy-1", false, eds.DefaultCluster)
+	v1 := cl.recv()
+	if err := hub.Publish(set(a, b, c)); err != nil {
+		t.Fatal(err)
+	}
+	if got := engine.serving(); !equal(got, []string{a, b}) {
+		t.Errorf("Envoy holds version 1 (ACK on the way): engine serves %v, want [%s %s]", got, a, b)
+	}
+	cl.ack(v1)
+	cl.ack(cl.recv())
+	eventually(t, "the engine serves c", func() bool { return equal(engine.serving(), []string{a, b, c}) })
+}
