@@ -263,6 +263,8 @@ type Engine struct {
 	bufs  sync.Pool // *scratch
 
 	expired atomic.Int64
+	// servedUnknown counts outcomes served by an endpoint outside the set.
+	servedUnknown atomic.Int64
 	// ejectErrors and ejectScrape count ejections by reason.
 	ejectErrors atomic.Int64
 	ejectScrape atomic.Int64
@@ -876,7 +878,14 @@ func (e *Engine) end(d *Decision, o Outcome) {
 	if e.queue != nil {
 		e.queue.Wake()
 	}
-	if l, key := e.servedBy(d, o); l != nil {
+	l, key, known := e.servedBy(d, o)
+	if !known {
+		// A served endpoint outside the set (forged response metadata, or
+		// one removed since): count it, and let nothing learn from it.
+		e.servedUnknown.Add(1)
+		o.Served, o.ServedUnknown = "", true
+	}
+	if l != nil {
 		e.observe(key, l, o)
 	}
 	e.policy.Done(d, o)
@@ -887,14 +896,20 @@ func (e *Engine) end(d *Decision, o Outcome) {
 
 // servedBy returns the live state of the endpoint that served d: the
 // outcome's Served endpoint when the data plane reports one (Envoy may
-// have retried elsewhere), else the chosen one. It is nil for a served
-// endpoint that has left the set.
-func (e *Engine) servedBy(d *Decision, o Outcome) (*Live, EndpointKey) {
+// have retried elsewhere), else the chosen one. known is false for a
+// served endpoint that is neither the chosen one nor in the current set:
+// the value comes from the data plane (response metadata), so it may be
+// anything, and it must create no state (issue 11).
+func (e *Engine) servedBy(d *Decision, o Outcome) (l *Live, key EndpointKey, known bool) {
 	if o.Served == "" || o.Served == d.Endpoint {
-		return d.live, d.Endpoint
+		return d.live, d.Endpoint, true
 	}
 	if st, ok := e.snap.Load().byKey[o.Served]; ok {
-		return st.Live, o.Served
+		return st.Live, o.Served, true
 	}
-	return nil, o.Served
+	return nil, "", false
 }
+
+// ServedUnknown counts outcomes whose served endpoint was neither the
+// chosen one nor in the endpoint set; no learning used them.
+func (e *Engine) ServedUnknown() int64 { return e.servedUnknown.Load() }
