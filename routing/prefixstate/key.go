@@ -39,8 +39,9 @@ type Key struct {
 }
 
 // NewKey returns the key for (tenant, prefixID) with both ids bounded by
-// [BoundID]: at most max(MaxIDLen, 71) bytes each, and distinct ids stay
-// distinct (two tenants never share state).
+// [BoundID]: at most MaxIDLen bytes each, and distinct ids stay distinct
+// (two tenants never share state). Hashing a long id costs one SHA-256 pass
+// over it; the store does not hash a NewKey key again.
 func NewKey(tenant, prefixID string) Key {
 	return Key{Tenant: BoundID(tenant), PrefixID: BoundID(prefixID), bounded: true}
 }

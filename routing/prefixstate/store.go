@@ -10,6 +10,13 @@
 // number of entries (least recently used first out) and expires entries a
 // TTL after their last use, both on the injected clock.
 //
+// Keys come from clients (the tenant header, the prefix id hint), so the
+// store also bounds each entry's bytes: every key that enters it goes
+// through [NewKey], which keeps an id of at most [MaxIDLen] bytes as is and
+// replaces any other by its SHA-256 ([BoundID]). Distinct tenants and
+// prefix ids never share an entry (nothing is truncated), and an entry
+// holds at most 2·MaxIDLen bytes of ids whatever the client sent.
+//
 // # Concurrency
 //
 // A Store is safe for concurrent use. Entries live in shards, each guarded
