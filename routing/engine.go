@@ -507,7 +507,7 @@ func (s *snapshot) candidates(req *Request, passThrough, health bool, now int64)
 	if filterModel && !s.anyModel {
 		if _, ok := s.models[req.Model]; !ok && !s.scrapedAdapter(req.Model) {
 			if !passThrough {
-				return nil, fmt.Errorf("%w: %q", ErrModelNotFound, req.Model)
+				return nil, fmt.Errorf("%w: %s", ErrModelNotFound, quoteModel(req.Model))
 			}
 			filterModel = false
 		}
@@ -538,6 +538,19 @@ func (s *snapshot) candidates(req *Request, passThrough, health bool, now int64)
 		out = filterHealthy(out, now, true)
 	}
 	return out, nil
+}
+
+// maxQuotedModel bounds the bytes of a model name quoted in an error: the
+// name comes from the client's body, and the error goes back to it (and to
+// logs).
+const maxQuotedModel = 256
+
+// quoteModel quotes m for an error message, cut to maxQuotedModel bytes.
+func quoteModel(m ModelName) string {
+	if len(m) <= maxQuotedModel {
+		return strconv.Quote(string(m))
+	}
+	return strconv.Quote(string(m[:maxQuotedModel])) + "... (" + strconv.Itoa(len(m)) + " bytes)"
 }
 
 // scrapedAdapter reports whether some endpoint's worker reported model as

@@ -1,6 +1,7 @@
 package routing_test
 
 import (
+	"errors"
 	"runtime"
 	"strconv"
 	"strings"
@@ -256,4 +257,36 @@ func TestForgedServedEndpointsCreateNoState(t *testing.T) {
 			t.Fatalf("legitimate served endpoint: observations %v, before %v (chosen %s)", got, before, d.Endpoint)
 		}
 	})
+}
+
+// Audit (issue 11): a model no endpoint serves creates no state, and the
+// 404 error that goes back to the client quotes at most a bounded part of
+// its name (a 16 MiB body could otherwise come back several times over).
+func TestUnknownModelCreatesNothing(t *testing.T) {
+	f := newStateFixture(t, thompson.Name)
+	if err := f.e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{
+		{Key: "10.0.0.1:8000", Models: []routing.ModelName{"m"}},
+	}}); err != nil {
+		t.Fatal(err)
+	}
+	p := f.policy.(*thompson.Policy)
+	_, seriesBefore := servedUnknown(t, f.e)
+	for i := range 1000 {
+		_, err := f.e.Pick(t.Context(), &routing.Request{Model: routing.ModelName("unknown-" + strconv.Itoa(i)), Tenant: "t",
+			Hints: routing.Hints{PrefixID: "s" + strconv.Itoa(i), TotalRequests: 5}})
+		if !errors.Is(err, routing.ErrModelNotFound) {
+			t.Fatalf("err = %v, want ErrModelNotFound", err)
+		}
+	}
+	if n := len(p.Stats().Endpoints); n != 0 || f.store.Len() != 0 {
+		t.Fatalf("unknown models created state: %d endpoint states, %d prefix entries", n, f.store.Len())
+	}
+	if _, series := servedUnknown(t, f.e); series != seriesBefore {
+		t.Fatalf("metric series: %d, before %d", series, seriesBefore)
+	}
+	huge := routing.ModelName(strings.Repeat("\xff", 1<<20))
+	_, err := f.e.Pick(t.Context(), &routing.Request{Model: huge})
+	if !errors.Is(err, routing.ErrModelNotFound) || len(err.Error()) > 2048 {
+		t.Fatalf("err for a 1 MiB model name: %d bytes, ErrModelNotFound %v", len(err.Error()), errors.Is(err, routing.ErrModelNotFound))
+	}
 }
