@@ -47,7 +47,18 @@ type Outcome struct {
 	Kind OutcomeKind
 	// Served is the endpoint that really served the request, from the data
 	// plane's x-gateway-destination-endpoint-served; empty when unknown.
+	// The engine hands a policy's Done only a Served that is the chosen
+	// endpoint or one of the current endpoint set; any other value is
+	// cleared and ServedUnknown set, so that a forged value creates no
+	// state.
 	Served EndpointKey
+	// ServedUnknown is set by the engine (callers of Decision.Done leave
+	// it false) when the data plane reported a served endpoint outside the
+	// endpoint set. The outcome then describes no endpoint the policy
+	// knows: policies must learn nothing from it (they still release the
+	// decision's state). The engine counts these outcomes
+	// (kvbandit_served_unknown_total).
+	ServedUnknown bool
 	// Status is the HTTP status from the worker; 0 when none arrived.
 	Status int
 	// TTFT is the time from the decision to the first generated content.

@@ -263,6 +263,8 @@ type Engine struct {
 	bufs  sync.Pool // *scratch
 
 	expired atomic.Int64
+	// servedUnknown counts outcomes served by an endpoint outside the set.
+	servedUnknown atomic.Int64
 	// ejectErrors and ejectScrape count ejections by reason.
 	ejectErrors atomic.Int64
 	ejectScrape atomic.Int64
@@ -505,7 +507,7 @@ func (s *snapshot) candidates(req *Request, passThrough, health bool, now int64)
 	if filterModel && !s.anyModel {
 		if _, ok := s.models[req.Model]; !ok && !s.scrapedAdapter(req.Model) {
 			if !passThrough {
-				return nil, fmt.Errorf("%w: %q", ErrModelNotFound, req.Model)
+				return nil, fmt.Errorf("%w: %s", ErrModelNotFound, quoteModel(req.Model))
 			}
 			filterModel = false
 		}
@@ -536,6 +538,19 @@ func (s *snapshot) candidates(req *Request, passThrough, health bool, now int64)
 		out = filterHealthy(out, now, true)
 	}
 	return out, nil
+}
+
+// maxQuotedModel bounds the bytes of a model name quoted in an error: the
+// name comes from the client's body, and the error goes back to it (and to
+// logs).
+const maxQuotedModel = 256
+
+// quoteModel quotes m for an error message, cut to maxQuotedModel bytes.
+func quoteModel(m ModelName) string {
+	if len(m) <= maxQuotedModel {
+		return strconv.Quote(string(m))
+	}
+	return strconv.Quote(string(m[:maxQuotedModel])) + "... (" + strconv.Itoa(len(m)) + " bytes)"
 }
 
 // scrapedAdapter reports whether some endpoint's worker reported model as
@@ -877,7 +892,14 @@ func (e *Engine) end(d *Decision, o Outcome) {
 	if e.queue != nil {
 		e.queue.Wake()
 	}
-	if l, key := e.servedBy(d, o); l != nil {
+	l, key, known := e.servedBy(d, o)
+	if !known {
+		// A served endpoint outside the set (forged response metadata, or
+		// one removed since): count it, and let nothing learn from it.
+		e.servedUnknown.Add(1)
+		o.Served, o.ServedUnknown = "", true
+	}
+	if l != nil {
 		e.observe(key, l, o)
 	}
 	e.policy.Done(d, o)
@@ -888,14 +910,20 @@ func (e *Engine) end(d *Decision, o Outcome) {
 
 // servedBy returns the live state of the endpoint that served d: the
 // outcome's Served endpoint when the data plane reports one (Envoy may
-// have retried elsewhere), else the chosen one. It is nil for a served
-// endpoint that has left the set.
-func (e *Engine) servedBy(d *Decision, o Outcome) (*Live, EndpointKey) {
+// have retried elsewhere), else the chosen one. known is false for a
+// served endpoint that is neither the chosen one nor in the current set:
+// the value comes from the data plane (response metadata), so it may be
+// anything, and it must create no state (issue 11).
+func (e *Engine) servedBy(d *Decision, o Outcome) (l *Live, key EndpointKey, known bool) {
 	if o.Served == "" || o.Served == d.Endpoint {
-		return d.live, d.Endpoint
+		return d.live, d.Endpoint, true
 	}
 	if st, ok := e.snap.Load().byKey[o.Served]; ok {
-		return st.Live, o.Served
+		return st.Live, o.Served, true
 	}
-	return nil, o.Served
+	return nil, "", false
 }
+
+// ServedUnknown counts outcomes whose served endpoint was neither the
+// chosen one nor in the endpoint set; no learning used them.
+func (e *Engine) ServedUnknown() int64 { return e.servedUnknown.Load() }

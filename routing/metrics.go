@@ -18,6 +18,7 @@ type Collector struct {
 	indexEvents   *prometheus.Desc
 	indexDropped  *prometheus.Desc
 	expired       *prometheus.Desc
+	servedUnknown *prometheus.Desc
 	insertsDrop   *prometheus.Desc
 	queueDepth    *prometheus.Desc
 	queueOutcomes *prometheus.Desc
@@ -41,6 +42,7 @@ func NewCollector(e *Engine) *Collector {
 		indexEvents:   prometheus.NewDesc("kvbandit_index_event_rejections_total", "KV events rejected or partly applied, by reason.", []string{"reason"}, nil),
 		indexDropped:  prometheus.NewDesc("kvbandit_index_approx_dropped_total", "Approximate entries dropped, by reason (ttl, pruned).", []string{"reason"}, nil),
 		expired:       prometheus.NewDesc("kvbandit_decisions_expired_total", "Decisions released by the sweeper because their outcome never came.", nil, nil),
+		servedUnknown: prometheus.NewDesc("kvbandit_served_unknown_total", "Outcomes whose served endpoint (data-plane metadata) was neither the chosen endpoint nor in the endpoint set; they teach nothing.", nil, nil),
 		insertsDrop:   prometheus.NewDesc("kvbandit_index_inserts_dropped_total", "Approximate index inserts dropped because the index goroutine fell behind.", nil, nil),
 		queueDepth:    prometheus.NewDesc("kvbandit_queue_depth", "Requests waiting in the admission queue.", nil, nil),
 		queueOutcomes: prometheus.NewDesc("kvbandit_queue_requests_total", "Admission queue results.", []string{"result"}, nil),
@@ -51,7 +53,7 @@ func NewCollector(e *Engine) *Collector {
 
 // Describe implements [prometheus.Collector].
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.inflight, c.decisions, c.endpoints, c.prefill, c.blocks, c.indexEntries, c.indexBlocks, c.indexEvents, c.indexDropped, c.expired, c.insertsDrop, c.queueDepth, c.queueOutcomes, c.ejections, c.ejected} {
+	for _, d := range []*prometheus.Desc{c.inflight, c.decisions, c.endpoints, c.prefill, c.blocks, c.indexEntries, c.indexBlocks, c.indexEvents, c.indexDropped, c.expired, c.servedUnknown, c.insertsDrop, c.queueDepth, c.queueOutcomes, c.ejections, c.ejected} {
 		ch <- d
 	}
 }
@@ -86,6 +88,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.indexDropped, prometheus.CounterValue, float64(is.Expired), "ttl")
 	ch <- prometheus.MustNewConstMetric(c.indexDropped, prometheus.CounterValue, float64(is.Pruned), "pruned")
 	ch <- prometheus.MustNewConstMetric(c.expired, prometheus.CounterValue, float64(c.e.Expired()))
+	ch <- prometheus.MustNewConstMetric(c.servedUnknown, prometheus.CounterValue, float64(c.e.ServedUnknown()))
 	ch <- prometheus.MustNewConstMetric(c.insertsDrop, prometheus.CounterValue, float64(c.e.DroppedInserts()))
 	ch <- prometheus.MustNewConstMetric(c.ejected, prometheus.GaugeValue, float64(ejected))
 	byErrors, byScrape := c.e.Ejections()

@@ -18,10 +18,12 @@
 // Values:
 //
 //   - prefix id: any string, trimmed of spaces; it must be valid UTF-8 of
-//     printable characters (unicode.IsPrint) or it is ignored. An id longer
-//     than [MaxPrefixIDLen] bytes is replaced by "sha256:" and the hex
-//     SHA-256 of the id, so distinct long ids stay distinct and the stored
-//     key stays short. In agent_hints it must be a JSON string.
+//     printable characters (unicode.IsPrint) or it is ignored. It is then
+//     bounded by [prefixstate.BoundID], the one rule for stored client ids:
+//     an id longer than [MaxPrefixIDLen] bytes, or one starting with
+//     "sha256:", is replaced by "sha256:" and the hex SHA-256 of the id, so
+//     distinct ids stay distinct and the id stays short. In agent_hints it
+//     must be a JSON string.
 //   - total requests: an integer >= 0 (a JSON number or a string holding
 //     one, "12", "12.0" and "1.2e1" alike), clamped to [MaxTotalRequests].
 //   - OSL (tokens) and IAT (milliseconds): LOW, MEDIUM or HIGH in any case,
@@ -39,8 +41,6 @@
 package hints
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"math"
 	"strconv"
@@ -52,6 +52,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/extproc/openai"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
 // Getter returns a request header value by lower-case name; ok is false
@@ -70,7 +71,7 @@ const (
 // Limits applied to hint values.
 const (
 	// MaxPrefixIDLen is the longest prefix id kept as is, in bytes.
-	MaxPrefixIDLen = 256
+	MaxPrefixIDLen = prefixstate.MaxIDLen
 	// MaxTotalRequests caps total requests.
 	MaxTotalRequests = 1 << 20
 	// MaxPriority caps the priority's magnitude.
@@ -275,11 +276,7 @@ func prefixID(v value) (string, bool) {
 			return "", false
 		}
 	}
-	if len(s) > MaxPrefixIDLen {
-		sum := sha256.Sum256([]byte(s))
-		s = "sha256:" + hex.EncodeToString(sum[:])
-	}
-	return s, true
+	return prefixstate.BoundID(s), true
 }
 
 // number reads a finite decimal number; a syntactically valid number beyond

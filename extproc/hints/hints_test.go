@@ -37,6 +37,7 @@ func TestParse(t *testing.T) {
 	t.Parallel()
 	long := strings.Repeat("é", 129) // 258 bytes
 	sum := sha256.Sum256([]byte(long))
+	rehashed := sha256.Sum256([]byte("sha256:" + hex.EncodeToString(sum[:])))
 	tests := []struct {
 		name         string
 		h            Getter
@@ -154,6 +155,13 @@ func TestParse(t *testing.T) {
 			name: "long prefix id hashed",
 			h:    headers(HeaderPrefixID, long),
 			want: with(func(h *routing.Hints) { h.PrefixID = "sha256:" + hex.EncodeToString(sum[:]) }),
+		},
+		{
+			// A short id shaped like a hash is hashed too, so it cannot
+			// stand for another (long) id.
+			name: "prefix id shaped like a hash hashed",
+			h:    headers(HeaderPrefixID, "sha256:"+hex.EncodeToString(sum[:])),
+			want: with(func(h *routing.Hints) { h.PrefixID = "sha256:" + hex.EncodeToString(rehashed[:]) }),
 		},
 		{
 			name:         "prefix id with invalid UTF-8 or controls ignored",

@@ -10,7 +10,10 @@
 // dp_rank, estimated_tokens and the policy's per-endpoint scores: one CSV
 // column "scores" holding "ip:port=score;ip:port=score", or a JSON object
 // {"ip:port": score}. [Columns] lists the CSV header. Non-finite floats are
-// written as NaN, +Inf and -Inf in CSV and as null in JSON.
+// written as NaN, +Inf and -Inf in CSV and as null in JSON. The tenant and
+// prefix id come from clients: they are logged as the prefix state stores
+// them ([prefixstate.BoundID]: a long id becomes its SHA-256), so neither a
+// queued record nor a line grows with what a client sends.
 //
 // # Concurrency
 //

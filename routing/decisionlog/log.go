@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
 // Defaults applied to zero [Options] fields.
@@ -168,12 +169,15 @@ func start(w io.Writer, rf *rotatingFile, format Format, opts Options) *Log {
 
 // Record queues r for writing. It never blocks: when the buffer is full or
 // the log is closed, r is dropped and counted. It takes ownership of
-// r.Scores.
+// r.Scores. The client-supplied Tenant and PrefixID are bounded first with
+// [prefixstate.BoundID] (a long id is logged as its hash, as the prefix
+// state stores it), so a queued record holds a bounded number of bytes.
 func (l *Log) Record(r Record) {
 	if l.closed.Load() {
 		l.dropped.Add(1)
 		return
 	}
+	r.Tenant, r.PrefixID = prefixstate.BoundID(r.Tenant), prefixstate.BoundID(r.PrefixID)
 	select {
 	case l.ch <- r:
 	default:

@@ -61,7 +61,8 @@ type Record struct {
 	Time time.Time
 	// TokensLen is the prompt length in tokens (tokens_len).
 	TokensLen int
-	// PrefixID is the prefix (session) id (prefix_id).
+	// PrefixID is the prefix (session) id (prefix_id), bounded by
+	// [Log.Record].
 	PrefixID string
 	// ReuseAfter is the prefix's remaining reuse budget after this request
 	// (reuse_after).
@@ -90,7 +91,7 @@ type Record struct {
 	DecisionID string
 	// Policy is the deciding policy's name (policy).
 	Policy string
-	// Tenant is the request's tenant (tenant).
+	// Tenant is the request's tenant (tenant), bounded by [Log.Record].
 	Tenant string
 	// DPRank is the chosen data-parallel rank, -1 for a single-rank
 	// endpoint (dp_rank).

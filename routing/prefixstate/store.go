@@ -10,6 +10,13 @@
 // number of entries (least recently used first out) and expires entries a
 // TTL after their last use, both on the injected clock.
 //
+// Keys come from clients (the tenant header, the prefix id hint), so the
+// store also bounds each entry's bytes: every key that enters it goes
+// through [NewKey], which keeps an id of at most [MaxIDLen] bytes as is and
+// replaces any other by its SHA-256 ([BoundID]). Distinct tenants and
+// prefix ids never share an entry (nothing is truncated), and an entry
+// holds at most 2·MaxIDLen bytes of ids whatever the client sent.
+//
 // # Concurrency
 //
 // A Store is safe for concurrent use. Entries live in shards, each guarded
@@ -49,13 +56,6 @@ const (
 	// sweepBatch bounds the entries removed per shard lock hold.
 	sweepBatch = 256
 )
-
-// Key identifies a prefix group. The tenant keeps one tenant from steering
-// another's affinity with a guessed prefix id.
-type Key struct {
-	Tenant   string
-	PrefixID string
-}
 
 // Pin is where a prefix was last routed and the costs its requests carried
 // then; the costs are opaque to the store except through
@@ -247,6 +247,7 @@ func (s *Store) Arrive(k Key, totalRequests int, commit bool) (reuse int, last P
 	if k.PrefixID == "" {
 		return 0, Pin{}, false
 	}
+	k = k.bound()
 	total := int32(min(max(totalRequests, 1), MaxTotalRequests))
 	now := s.now()
 	sh := s.shard(k)
@@ -300,6 +301,7 @@ func (s *Store) Pin(k Key, p Pin, reuse int) {
 	if k.PrefixID == "" {
 		return
 	}
+	k = k.bound()
 	now := s.now()
 	sh := s.shard(k)
 	sh.mu.Lock()
@@ -394,15 +396,15 @@ func (s *Store) shard(k Key) *shard {
 	return &s.shards[maphash.Comparable(s.seed, k)&s.mask]
 }
 
-// insert adds a new entry for k at the front, evicting the least recently
-// used entry of a full shard. The key's strings are cloned so that an entry
-// never pins a request body the id was sliced from.
+// insert adds a new entry for k (bounded) at the front, evicting the least
+// recently used entry of a full shard. The key's strings are cloned so that
+// an entry never pins a request body or header the id was sliced from.
 func (s *Store) insert(sh *shard, k Key) *entry {
 	for len(sh.m) >= sh.cap && sh.lru.prev != &sh.lru {
 		s.remove(sh, sh.lru.prev)
 		s.evicted.Add(1)
 	}
-	k = Key{Tenant: strings.Clone(k.Tenant), PrefixID: strings.Clone(k.PrefixID)}
+	k.Tenant, k.PrefixID = strings.Clone(k.Tenant), strings.Clone(k.PrefixID)
 	e := &entry{key: k}
 	sh.m[k] = e
 	sh.pushFront(e)

@@ -333,10 +333,13 @@ func (p *Policy) factor(c *routing.Candidate, rng *rand.Rand, mean bool) float64
 // Done implements [routing.Policy]: a successful response's time to first
 // token per unit of prefill work at decision time updates the endpoint's
 // speed posterior and the fleet baseline. Other outcomes teach nothing
-// about speed.
+// about speed, nor does one served by an endpoint outside the set
+// (Outcome.ServedUnknown): its time belongs to no endpoint the policy
+// knows. A success served by another endpoint of the set is charged to the
+// decision's endpoint and rank, whose work it was measured against.
 func (p *Policy) Done(d *routing.Decision, o routing.Outcome) {
 	st, ok := d.PolicyState().(*decision)
-	if !ok || o.Kind != routing.OutcomeSuccess || o.TTFT <= 0 {
+	if !ok || o.ServedUnknown || o.Kind != routing.OutcomeSuccess || o.TTFT <= 0 {
 		return
 	}
 	y := math.Log(o.TTFT.Seconds() * 1000 / st.work)

@@ -18,8 +18,9 @@ type storePrefixes struct {
 	clk clock.Clock
 }
 
+// key is the request's session key, bounded (prefixstate.NewKey).
 func key(r *routing.Request) prefixstate.Key {
-	return prefixstate.Key{Tenant: r.Tenant, PrefixID: r.Hints.PrefixID}
+	return prefixstate.NewKey(r.Tenant, r.Hints.PrefixID)
 }
 
 // Arrive implements [Prefixes].

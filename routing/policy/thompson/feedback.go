@@ -48,8 +48,11 @@ type decision struct {
 // When the data plane served the request elsewhere (Outcome.Served differs
 // from the chosen endpoint), the Beta bandit and baselines of the served
 // endpoint learn; LinTS does not, since the stored features describe the
-// chosen one. A Done after the timeout applied its reward changes nothing.
-// Done never blocks on anything but short per-endpoint mutexes.
+// chosen one. The engine passes only a Served endpoint of its set; one
+// outside it (Outcome.ServedUnknown: forged or stale response metadata)
+// teaches nothing and creates no state. A Done after the timeout applied
+// its reward changes nothing. Done never blocks on anything but short
+// per-endpoint mutexes.
 func (p *Policy) Done(d *routing.Decision, o routing.Outcome) {
 	rec, ok := d.PolicyState().(*decision)
 	if !ok || rec == nil || rec.p != p {
@@ -57,6 +60,10 @@ func (p *Policy) Done(d *routing.Decision, o routing.Outcome) {
 	}
 	if !p.claim(rec, false) {
 		p.late.Add(1)
+		return
+	}
+	if o.ServedUnknown {
+		p.noLearning.Add(1)
 		return
 	}
 	switch o.Kind {

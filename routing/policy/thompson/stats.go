@@ -23,7 +23,7 @@ type Stats struct {
 	// Late counts outcomes that arrived after the timeout and were ignored.
 	Late uint64
 	// NoLearning counts outcomes that teach nothing (cancelled, reset,
-	// abandoned, rejected).
+	// abandoned, rejected, or served by an endpoint outside the set).
 	NoLearning uint64
 	// ServedMismatch counts outcomes charged to a served endpoint other
 	// than the chosen one.

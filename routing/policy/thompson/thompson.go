@@ -325,7 +325,7 @@ func (p *Policy) terms(s *routing.Scoring, commit bool, out []candidateTerms) re
 	rq.decodeCost = decodeCosts[rq.osl]
 	rq.iatFactor = iatFactors[levelIndex(h.IAT)]
 	if h.PrefixID != "" {
-		rq.key = prefixstate.Key{Tenant: tenant, PrefixID: h.PrefixID}
+		rq.key = prefixstate.NewKey(tenant, h.PrefixID)
 		rq.reuse, rq.last, rq.hasLast = p.prefix.Arrive(rq.key, h.TotalRequests, commit)
 	}
 	r := float64(rq.reuse)
