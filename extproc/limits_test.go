@@ -67,6 +67,18 @@ func parallel(t *testing.T, n int, f func(i int) error) {
 	}
 }
 
+// eventually waits (up to 60 s: the machine may be busy) until cond holds.
+func eventually(t *testing.T, cond func() bool, msg string) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal(msg)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 // TestEmptyStreamsHoldNoSlots: streams that open and never send request
 // headers neither take --max-inflight slots from real requests nor live
 // forever: 2,000 of them (twice the default limit) are open while a real
@@ -84,7 +96,7 @@ func TestEmptyStreamsHoldNoSlots(t *testing.T) {
 		streams[i], err = h.client.Process(t.Context())
 		return err
 	})
-	waitStreams(t, h.srv, empty)
+	eventually(t, func() bool { return h.srv.Streams() == empty }, "the server never saw every empty stream")
 	if got := h.srv.InFlight(); got != 0 {
 		t.Fatalf("streams without request headers hold %d in-flight slots", got)
 	}
@@ -107,13 +119,7 @@ func TestEmptyStreamsHoldNoSlots(t *testing.T) {
 	// (5 virtual minutes) could end its decision.
 	close(stop)
 	stepping.Wait()
-	deadline := time.Now().Add(10 * time.Second)
-	for h.srv.Streams() != 1 {
-		if time.Now().After(deadline) {
-			t.Fatalf("open streams = %d, want only the routed one", h.srv.Streams())
-		}
-		time.Sleep(time.Millisecond)
-	}
+	eventually(t, func() bool { return h.srv.Streams() == 1 }, "more than the routed stream still open")
 
 	// The routed request is untouched by the header timeout.
 	send(t, s, respHeaders("200"))
@@ -129,12 +135,7 @@ func TestEmptyStreamsHoldNoSlots(t *testing.T) {
 	if got := metricValue(t, h.reg, "kvbandit_extproc_stream_errors_total", map[string]string{"reason": "header_timeout"}); got != empty {
 		t.Fatalf("header_timeout stream errors = %v, want %d", got, empty)
 	}
-	for h.srv.Streams() != 0 || runtime.NumGoroutine() > baseline+10 {
-		if time.Now().After(deadline) {
-			t.Fatalf("streams %d, goroutines %d (baseline %d)", h.srv.Streams(), runtime.NumGoroutine(), baseline)
-		}
-		time.Sleep(time.Millisecond)
-	}
+	eventually(t, func() bool { return h.srv.Streams() == 0 && runtime.NumGoroutine() <= baseline+10 }, "streams or goroutines left over")
 	if got := metricValue(t, h.reg, "kvbandit_extproc_streams_inflight", nil); got != 0 {
 		t.Fatalf("streams gauge %v after every stream ended", got)
 	}
