@@ -15,6 +15,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/goleak"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -40,7 +41,7 @@ type harness struct {
 	doneC    chan routing.Outcome
 }
 
-func newHarness(t *testing.T, cfg extproc.Config, clk clock.Clock) *harness {
+func newHarness(t *testing.T, cfg extproc.Config, clk clock.Clock, dial ...grpc.DialOption) *harness {
 	t.Helper()
 	h := &harness{reg: prometheus.NewRegistry(), doneC: make(chan routing.Outcome, 16)}
 	log := slog.New(slog.DiscardHandler)
@@ -55,7 +56,7 @@ func newHarness(t *testing.T, cfg extproc.Config, clk clock.Clock) *harness {
 		t.Fatal(err)
 	}
 	h.srv = extproc.NewServer(cfg, extproc.Deps{Picker: h.engine, Logger: log, Registry: h.reg, Clock: clk})
-	h.client, h.stop = startServer(t, h.srv)
+	h.client, h.stop = startServer(t, h.srv, dial...)
 	t.Cleanup(func() {
 		h.stop()
 		for _, st := range h.engine.Endpoints() {
