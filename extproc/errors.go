@@ -33,6 +33,13 @@ var (
 	// ErrProtocol: the data plane sent messages out of order. It is not an
 	// HTTP error: the stream ends with a gRPC FailedPrecondition status.
 	ErrProtocol = errors.New("ext_proc protocol violation")
+	// ErrHeaderTimeout: a stream sent no request headers within
+	// --stream-header-timeout. There is no request to answer: the stream
+	// ends with a gRPC DeadlineExceeded status.
+	ErrHeaderTimeout = errors.New("no request headers on the ext_proc stream")
+	// ErrTooManyHeaders: the request carries more destination-like headers
+	// (x-gateway-destination-endpoint*) than any data plane sends (431).
+	ErrTooManyHeaders = errors.New("too many x-gateway-destination-endpoint* request headers")
 )
 
 // Rejection is an error answered to the client as an HTTP status with an
@@ -50,7 +57,8 @@ func (r *Rejection) Error() string { return fmt.Sprintf("%d %s: %v", r.Status, r
 func (r *Rejection) Unwrap() error { return r.Err }
 
 // Reject classifies err. It is the one place where errors become HTTP
-// statuses: 400 bad request, 404 unknown model, 413 too large, 429 shed,
+// statuses: 400 bad request, 404 unknown model, 413 too large, 431 too
+// many spoofable headers, 429 shed,
 // 503 no endpoint / too many streams / timeout / shutdown. It returns nil
 // for errors that are not the client's to see (internal errors and
 // protocol violations), which end the stream with a gRPC status instead.
@@ -71,6 +79,8 @@ func Reject(err error) *Rejection {
 		return &Rejection{http.StatusNotFound, "invalid_request_error", "model_not_found", err}
 	case errors.Is(err, ErrBodyTooLarge):
 		return &Rejection{http.StatusRequestEntityTooLarge, "invalid_request_error", "body_too_large", err}
+	case errors.Is(err, ErrTooManyHeaders):
+		return &Rejection{http.StatusRequestHeaderFieldsTooLarge, "invalid_request_error", "request_headers_too_large", err}
 	case errors.Is(err, routing.ErrOverloaded):
 		return &Rejection{http.StatusTooManyRequests, "rate_limit_error", "overloaded", err}
 	case errors.Is(err, routing.ErrSubsetEmpty):
@@ -129,10 +139,14 @@ func (r *Rejection) immediate() *extprocv3.ProcessingResponse {
 }
 
 // grpcError turns an error that is not a Rejection into the stream's final
-// status: protocol violations are FailedPrecondition, the rest Internal.
+// status: protocol violations are FailedPrecondition, a stream without
+// request headers DeadlineExceeded, the rest Internal.
 func grpcError(err error) error {
-	if errors.Is(err, ErrProtocol) {
+	switch {
+	case errors.Is(err, ErrProtocol):
 		return status.Error(codes.FailedPrecondition, err.Error())
+	case errors.Is(err, ErrHeaderTimeout):
+		return status.Error(codes.DeadlineExceeded, err.Error())
 	}
 	return status.Error(codes.Internal, err.Error())
 }

@@ -72,7 +72,9 @@ func chatBody(n int) []byte {
 	return buf.Bytes()
 }
 
-func startServer(tb testing.TB, impl extprocv3.ExternalProcessorServer) (extprocv3.ExternalProcessorClient, func()) {
+// startServer serves impl on loopback and returns a client for it (dialled
+// with opts after the defaults) and the function that stops both.
+func startServer(tb testing.TB, impl extprocv3.ExternalProcessorServer, opts ...grpc.DialOption) (extprocv3.ExternalProcessorClient, func()) {
 	tb.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -81,7 +83,8 @@ func startServer(tb testing.TB, impl extprocv3.ExternalProcessorServer) (extproc
 	gs := grpc.NewServer(grpc.MaxRecvMsgSize(32 << 20))
 	extprocv3.RegisterExternalProcessorServer(gs, impl)
 	go gs.Serve(l)
-	conn, err := grpc.NewClient(l.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(32<<20)))
+	opts = append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(32 << 20))}, opts...)
+	conn, err := grpc.NewClient(l.Addr().String(), opts...)
 	if err != nil {
 		tb.Fatal(err)
 	}

@@ -11,6 +11,8 @@ type Metrics struct {
 	requests           *prometheus.CounterVec
 	streamErrors       *prometheus.CounterVec
 	streams            prometheus.Gauge
+	requestsInflight   prometheus.Gauge
+	withoutBody        *prometheus.CounterVec
 	phase              *prometheus.HistogramVec
 	tokens             *prometheus.CounterVec
 	ttft               prometheus.Histogram
@@ -49,8 +51,16 @@ func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metric
 		}, []string{"reason"}),
 		streams: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvbandit_extproc_streams_inflight",
-			Help: "Open ext_proc streams.",
+			Help: "Open ext_proc streams, including those that have not sent request headers yet.",
 		}),
+		requestsInflight: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvbandit_extproc_requests_inflight",
+			Help: "Requests admitted at their request headers and not finished: what --max-inflight bounds.",
+		}),
+		withoutBody: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbandit_decisions_without_body_total",
+			Help: "Requests with a body decided at the request headers because the data plane's request_body_mode does not show the body first: no model (unless x-gateway-model-name), no prompt, no KV-cache overlap; by reason (request_body_mode_none, request_body_mode_streamed).",
+		}, []string{"reason"}),
 		phase: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "kvbandit_phase_duration_seconds",
 			Help:    "Time spent per request-path phase: parse, tokenize, pick, and total (last request byte to decision sent).",
@@ -87,7 +97,7 @@ func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metric
 		Name: "kvbandit_tokenizer_fallbacks_total",
 		Help: "Requests routed on the byte-based token estimate instead of the model's tokenizer, by reason (no_tokenizer, error, timeout).",
 	}, []string{"reason"})
-	cs := []prometheus.Collector{m.tokenizerFallbacks, m.requests, m.streamErrors, m.streams, m.phase, m.tokens, m.ttft, m.latency, m.outcomes, m.servedMismatch, m.hintProblems}
+	cs := []prometheus.Collector{m.tokenizerFallbacks, m.requests, m.streamErrors, m.streams, m.requestsInflight, m.withoutBody, m.phase, m.tokens, m.ttft, m.latency, m.outcomes, m.servedMismatch, m.hintProblems}
 	if bufferedBytes != nil {
 		m.bufferedBytes = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvbandit_buffered_body_bytes",

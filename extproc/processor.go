@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -13,6 +14,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/openai"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
@@ -32,10 +34,60 @@ const (
 	KeySubset = "x-gateway-destination-endpoint-subset"
 	// KeyServed is the served endpoint's key in NamespaceLB.
 	KeyServed = "x-gateway-destination-endpoint-served"
+	// HeaderModel carries the request's model in a header (the Gateway API
+	// Inference Extension's body-based router writes it). It is read only
+	// when the body mode hides the body (NONE, STREAMED).
+	HeaderModel = "x-gateway-model-name"
 	// destinationPrefix covers every client header that could pose as a
 	// data plane or picker header.
 	destinationPrefix = "x-gateway-destination-endpoint"
 )
+
+// Bounds on what a stream keeps from its request headers, whatever the
+// data plane lets through (Envoy's own default bounds headers to 60 KiB,
+// but a gRPC message may carry far more).
+const (
+	// MaxPathBytes is the longest :path kept (for labels, logs and
+	// policies); the request's kind is classified on the whole path first.
+	MaxPathBytes = 2048
+	// MaxRequestIDBytes is the longest x-request-id kept; longer ones are
+	// truncated.
+	MaxRequestIDBytes = 128
+	// MaxHintHeaderBytes is the longest hint header value (x-prefix-id,
+	// x-prefix-total-requests, x-prefix-osl, x-prefix-iat,
+	// x-request-priority) read; a longer one is ignored and counted in
+	// kvbandit_hint_problems_total. Other x-prefix-* headers are not read.
+	MaxHintHeaderBytes = 1024
+	// MaxModelHeaderBytes is the longest HeaderModel value read; a longer
+	// one is ignored.
+	MaxModelHeaderBytes = 512
+	// MaxSpoofedHeaders is how many distinct client headers named
+	// x-gateway-destination-endpoint* or x-data-parallel-rank one request
+	// may carry; beyond it the request is answered 431, since each of them
+	// must be removed and no data plane sends that many.
+	MaxSpoofedHeaders = 32
+)
+
+// hintHeaders are the request headers package hints reads, in the order
+// of processor.hintVals.
+var hintHeaders = [...]string{hints.HeaderPrefixID, hints.HeaderTotalRequests, hints.HeaderOSL, hints.HeaderIAT, hints.HeaderPriority}
+
+// hintIndex returns the index of a hint header name in hintHeaders, or -1.
+func hintIndex(name string) int {
+	switch name {
+	case hints.HeaderPrefixID:
+		return 0
+	case hints.HeaderTotalRequests:
+		return 1
+	case hints.HeaderOSL:
+		return 2
+	case hints.HeaderIAT:
+		return 3
+	case hints.HeaderPriority:
+		return 4
+	}
+	return -1
+}
 
 // phase is the stream's progress.
 type phase uint8
@@ -64,14 +116,23 @@ type processor struct {
 	// reqBodyPassthrough: STREAMED request bodies are acknowledged chunk by
 	// chunk (the decision was made at the headers).
 	reqBodyPassthrough bool
+	// bodyUnseen: the request has a body, but the body mode (NONE,
+	// STREAMED) decides it at the headers, without the body.
+	bodyUnseen bool
 
 	path      string
 	kind      openai.Kind
 	requestID string
 	tenant    string
-	hintHdrs  map[string]string
-	spoofed   []string
-	subset    *routing.Subset
+	model     string // HeaderModel, read only when the body is unseen
+	// hintVals holds the hint headers (hintHeaders order); hintSet says
+	// which are present.
+	hintVals [len(hintHeaders)]string
+	hintSet  uint8
+	spoofed  []string
+	subset   *routing.Subset
+	// admitted: the request holds one of the server's MaxInflight slots.
+	admitted bool
 
 	body      []byte // request body; aliases the single chunk when possible
 	owned     bool   // body is our own copy (counted against the budget)
@@ -81,6 +142,15 @@ type processor struct {
 	timeout   chan struct{}
 	decision  *routing.Decision
 	respPhase bool
+
+	// headerTimer bounds stream open → request headers (Server.Process
+	// arms it).
+	headerTimer clock.Timer
+	// idle, when not nil, receives a tick from idleTimer; armed at the
+	// decision, it ends a stream silent for StreamIdleTimeout.
+	idle      chan struct{}
+	idleTimer clock.Timer
+	lastMsg   time.Time
 
 	// response state
 	status     int
@@ -104,6 +174,9 @@ func newProcessor(s *Server) *processor {
 // replies to send in order, whether the stream is finished, and an error
 // that ends the stream (mapped by [Reject]).
 func (p *processor) handle(ctx context.Context, m *extprocv3.ProcessingRequest) ([]*extprocv3.ProcessingResponse, bool, error) {
+	if p.idleTimer != nil {
+		p.lastMsg = p.s.clk.Now()
+	}
 	if p.phase == phaseRequestHeaders {
 		if pc := m.GetProtocolConfig(); pc != nil {
 			p.reqMode = pc.GetRequestBodyMode()
@@ -134,22 +207,54 @@ func protocolError(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrProtocol, fmt.Sprintf(format, args...))
 }
 
+// admit takes one of the server's MaxInflight slots for this request, or
+// refuses it: 503 while draining or when every slot is taken. The slot is
+// given back in close.
+func (p *processor) admit() error {
+	select {
+	case <-p.s.drain:
+		return ErrShuttingDown
+	default:
+	}
+	if n := p.s.inflight.Add(1); n > int64(p.s.cfg.MaxInflight) {
+		p.s.inflight.Add(-1)
+		return fmt.Errorf("%w: %d in flight", ErrTooManyStreams, p.s.cfg.MaxInflight)
+	}
+	p.admitted = true
+	p.s.metrics.requestsInflight.Inc()
+	return nil
+}
+
 func (p *processor) onRequestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) ([]*extprocv3.ProcessingResponse, bool, error) {
 	if p.phase != phaseRequestHeaders {
 		return nil, false, protocolError("request headers in phase %d", p.phase)
 	}
+	if p.headerTimer != nil {
+		p.headerTimer.Stop()
+	}
 	p.started = p.s.clk.Now()
-	p.readRequestHeaders(h.GetHeaders())
-	p.kind = openai.KindOf(p.path)
 	p.phase = phaseRequestBody
+	err := p.readRequestHeaders(h.GetHeaders())
+	p.kind = openai.KindOf(p.path)
+	if len(p.path) > MaxPathBytes {
+		p.path = strings.Clone(p.path[:MaxPathBytes])
+	}
+	if err != nil {
+		return nil, false, err
+	}
+	if err := p.admit(); err != nil {
+		return nil, false, err
+	}
 	p.timer = p.s.clk.AfterFunc(p.s.cfg.DecisionTimeout, func() { close(p.timeout) })
 
 	switch {
 	case h.GetEndOfStream(), p.reqMode == filterv3.ProcessingMode_NONE, p.reqMode == filterv3.ProcessingMode_STREAMED:
 		// No body to wait for (or none that could still change routing:
 		// in STREAMED mode header mutations in body responses are ignored).
-		if !h.GetEndOfStream() && p.reqMode == filterv3.ProcessingMode_STREAMED {
-			p.reqBodyPassthrough = true
+		// A body that exists but is not seen first is decided without it.
+		if !h.GetEndOfStream() {
+			p.bodyUnseen = true
+			p.reqBodyPassthrough = p.reqMode == filterv3.ProcessingMode_STREAMED
 		}
 		if err := p.decide(ctx); err != nil {
 			return nil, false, err
@@ -298,7 +403,15 @@ func (p *processor) decide(ctx context.Context) error {
 	m := p.s.metrics
 	t0 := p.s.clk.Now()
 	req := routing.Request{ID: p.requestID, Path: p.path, Tenant: p.tenant, Arrival: p.started, Subset: p.subset}
-	parsed, problems, err := ParseRequest(p.kind, p.body, p.header, &req)
+	kind := p.kind
+	if p.bodyUnseen {
+		// Only what the headers carry: hints, the path, and the model when
+		// a body-based router put it in a header. No tokens: the engine
+		// routes on load and prefix or session affinity.
+		kind = openai.KindOther
+		req.Model = routing.ModelName(p.model)
+	}
+	parsed, problems, err := ParseRequest(kind, p.body, p.header, &req)
 	if err != nil {
 		return err
 	}
@@ -330,7 +443,49 @@ func (p *processor) decide(ctx context.Context) error {
 	p.tokensIn = req.TokenCount
 	m.tokensRouted.Add(float64(req.TokenCount))
 	m.phaseTotal.Observe(t3.Sub(p.started).Seconds())
+	if p.bodyUnseen {
+		p.s.decidedWithoutBody(p.reqMode)
+	}
+	// What the request phase read from the headers is no longer needed.
+	p.hintVals, p.hintSet, p.tenant, p.model = [len(hintHeaders)]string{}, 0, "", ""
+	if p.idle != nil {
+		p.lastMsg = t3
+		p.armIdle(p.s.cfg.StreamIdleTimeout)
+	}
 	return nil
+}
+
+// armIdle schedules the next idle check in d.
+func (p *processor) armIdle(d time.Duration) {
+	idle := p.idle
+	p.idleTimer = p.s.clk.AfterFunc(d, func() {
+		select {
+		case idle <- struct{}{}:
+		default:
+		}
+	})
+}
+
+// idleCheck runs (under the stream's lock) when the idle timer fires. A
+// stream that received a message since re-arms for the rest of the
+// period; one silent for StreamIdleTimeout ends its decision as abandoned
+// and reports the stream settled, to be closed cleanly: Envoy then goes on
+// without kvbandit, so a response that is merely slow (a non-streamed
+// generation sends nothing until it is complete) still reaches the client,
+// only its outcome is lost. Nothing is in flight to be dropped, since
+// every message received has been answered.
+func (p *processor) idleCheck() (error, bool) {
+	if p.phase == phaseDone || !p.decided() {
+		return nil, false
+	}
+	quiet := p.s.clk.Now().Sub(p.lastMsg)
+	if rest := p.s.cfg.StreamIdleTimeout - quiet; rest > 0 {
+		p.armIdle(rest)
+		return nil, false
+	}
+	p.s.log.Warn("ext_proc stream idle: closing it and releasing its decision", "request_id", p.requestID, "idle", quiet, "phase", int(p.phase))
+	p.abort(routing.OutcomeAbandoned, "idle_timeout")
+	return nil, true
 }
 
 // tokenize fills the request's tokens, falling back to a byte estimate.
@@ -347,8 +502,11 @@ func (p *processor) tokenize(ctx context.Context, parsed *openai.Request, req *r
 
 // header returns a request header that hint parsing may ask for.
 func (p *processor) header(name string) (string, bool) {
-	v, ok := p.hintHdrs[name]
-	return v, ok
+	i := hintIndex(name)
+	if i < 0 || p.hintSet&(1<<i) == 0 {
+		return "", false
+	}
+	return p.hintVals[i], true
 }
 
 func headerValue(h *corev3.HeaderValue) string {
@@ -358,9 +516,12 @@ func headerValue(h *corev3.HeaderValue) string {
 	return h.GetValue()
 }
 
-// readRequestHeaders keeps only what routing needs: the path, the request
-// id, the tenant, hint headers and the names of spoofable headers.
-func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) {
+// readRequestHeaders keeps only what routing needs, each bounded: the path
+// (bounded by the caller, after classification), the request id, the
+// tenant (bounded where prefix state keys it), the model header, the hint
+// headers and the names of spoofable headers. Everything else, other
+// x-prefix-* headers included, is dropped with the message.
+func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) error {
 	tenant := p.s.cfg.TenantHeader
 	for _, h := range hm.GetHeaders() {
 		k := h.GetKey()
@@ -368,20 +529,56 @@ func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) {
 		case k == ":path":
 			p.path = headerValue(h)
 		case k == "x-request-id":
-			p.requestID = headerValue(h)
+			p.requestID = headerPrefix(h, MaxRequestIDBytes)
 		case tenant != "" && strings.EqualFold(k, tenant):
 			p.tenant = headerValue(h)
-		case strings.HasPrefix(k, "x-prefix-") || k == "x-request-priority":
-			if p.hintHdrs == nil {
-				p.hintHdrs = make(map[string]string, 4)
+		case strings.HasPrefix(k, "x-prefix-") || k == hints.HeaderPriority:
+			i := hintIndex(k)
+			if i < 0 || p.hintSet&(1<<i) != 0 {
+				continue // not a hint, or a repeat: the first one counts
 			}
-			if _, dup := p.hintHdrs[k]; !dup {
-				p.hintHdrs[k] = headerValue(h)
+			if headerLen(h) > MaxHintHeaderBytes {
+				p.s.metrics.hintProblems.Inc()
+				continue
+			}
+			p.hintVals[i] = headerValue(h)
+			p.hintSet |= 1 << i
+		case k == HeaderModel:
+			if p.model == "" && headerLen(h) <= MaxModelHeaderBytes {
+				p.model = strings.TrimSpace(headerValue(h))
 			}
 		case hasPrefixFold(k, destinationPrefix) || strings.EqualFold(k, HeaderDPRank):
+			if slices.Contains(p.spoofed, k) {
+				continue
+			}
+			if len(p.spoofed) == MaxSpoofedHeaders {
+				return fmt.Errorf("%w: more than %d", ErrTooManyHeaders, MaxSpoofedHeaders)
+			}
 			p.spoofed = append(p.spoofed, k)
 		}
 	}
+	return nil
+}
+
+// headerLen is the length of a header's value (raw_value, else value).
+func headerLen(h *corev3.HeaderValue) int {
+	if rv := h.GetRawValue(); len(rv) > 0 {
+		return len(rv)
+	}
+	return len(h.GetValue())
+}
+
+// headerPrefix returns at most n bytes of a header's value, copying only
+// those.
+func headerPrefix(h *corev3.HeaderValue, n int) string {
+	if rv := h.GetRawValue(); len(rv) > 0 {
+		return string(rv[:min(n, len(rv))])
+	}
+	v := h.GetValue()
+	if len(v) > n {
+		return strings.Clone(v[:n])
+	}
+	return v
 }
 
 // hasPrefixFold is strings.HasPrefix ignoring ASCII case, without
@@ -752,8 +949,15 @@ func (p *processor) endOfStream() {
 // close releases the stream's resources; it ends a still-open decision as
 // a reset (a safety net: every path above should have ended it).
 func (p *processor) close() {
-	if p.timer != nil {
-		p.timer.Stop()
+	for _, t := range []clock.Timer{p.timer, p.headerTimer, p.idleTimer} {
+		if t != nil {
+			t.Stop()
+		}
+	}
+	if p.admitted {
+		p.admitted = false
+		p.s.inflight.Add(-1)
+		p.s.metrics.requestsInflight.Dec()
 	}
 	if p.held > 0 {
 		p.s.budget.Release(p.held)

@@ -25,6 +25,11 @@ func FuzzProcessor(f *testing.F) {
 	f.Add([]byte{3, 0, 1, 1, 6}, []byte(`{"mod`))
 	f.Add([]byte{8, 0, 2, 3, 4, 4}, []byte(`not json`))
 	f.Add([]byte{9, 0, 1, 2, 3, 5}, []byte(`{"model":"m","messages":[]}`))
+	// Request headers without end_of_stream in request_body_mode NONE (op
+	// 40) and STREAMED (op 50): decided at the headers, the model from
+	// x-gateway-model-name.
+	f.Add([]byte{40, 3, 5}, []byte(`m`))
+	f.Add([]byte{50, 1, 2, 3, 4, 5}, []byte(`m`))
 	f.Fuzz(func(t *testing.T, ops []byte, body []byte) {
 		if len(ops) == 0 {
 			return
@@ -49,12 +54,16 @@ func FuzzProcessor(f *testing.F) {
 			switch op % 10 {
 			case 0:
 				m = &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
-					EndOfStream: op&0x10 != 0,
+					EndOfStream: op&0x80 != 0,
 					Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
 						{Key: ":path", RawValue: []byte([]string{"/v1/chat/completions", "/v1/completions", "/v1/models", "/x"}[int(op>>5)%4])},
 						{Key: "x-gateway-destination-endpoint", RawValue: chunk},
+						{Key: "x-gateway-destination-endpoint-" + string(chunk), RawValue: chunk},
 						{Key: "x-prefix-osl", RawValue: chunk},
+						{Key: "x-prefix-" + string(chunk), RawValue: chunk},
 						{Key: "x-request-priority", Value: string(chunk)},
+						{Key: "x-request-id", Value: string(chunk)},
+						{Key: HeaderModel, RawValue: chunk},
 					}},
 				}}, ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: modes[int(op>>4)%len(modes)], ResponseBodyMode: modes[int(op>>6)%len(modes)]}}
 			case 1, 2:
@@ -108,6 +117,12 @@ func FuzzProcessor(f *testing.F) {
 		}
 		if n := s.budget.Used(); n != 0 {
 			t.Fatalf("buffer budget leaked: %d", n)
+		}
+		if n := s.InFlight(); n != 0 {
+			t.Fatalf("in-flight slot leaked: %d", n)
+		}
+		if len(p.requestID) > MaxRequestIDBytes || len(p.path) > MaxPathBytes || len(p.spoofed) > MaxSpoofedHeaders {
+			t.Fatalf("header bounds exceeded: id %d, path %d, spoofed %d", len(p.requestID), len(p.path), len(p.spoofed))
 		}
 	})
 }

@@ -3,12 +3,14 @@ package extproc
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/codes"
@@ -31,13 +33,28 @@ const (
 	DefaultMaxSSEEvent = 1 << 20
 	// DefaultTokenizerTimeout bounds one request's tokenization.
 	DefaultTokenizerTimeout = 5 * time.Second
+	// DefaultStreamHeaderTimeout bounds stream open → request headers.
+	// Envoy sends the headers message in the same step that opens the
+	// stream, so a healthy data plane needs milliseconds; a few seconds
+	// absorb a stalled connection or a CPU-starved process without letting
+	// streams that never speak pile up.
+	DefaultStreamHeaderTimeout = 5 * time.Second
+	// DefaultStreamIdleTimeout is the --stream-idle-timeout default: a
+	// decided stream with no message for this long is closed. It is far
+	// longer than any gap between the chunks of a live response; a
+	// non-streamed response sends nothing until it is complete, and a
+	// false positive only loses its outcome (the close is clean, and Envoy
+	// continues without kvbandit).
+	DefaultStreamIdleTimeout = 10 * time.Minute
 )
 
 // Config holds the server's limits and switches.
 type Config struct {
 	// MaxBodyBytes is the largest request body accepted (413 beyond).
 	MaxBodyBytes int64
-	// MaxInflight is the number of concurrent streams (503 beyond).
+	// MaxInflight is the number of concurrent requests (503 beyond). A
+	// stream counts from its request headers on: one that has sent nothing
+	// yet holds no slot, only the StreamHeaderTimeout bounds it.
 	MaxInflight int
 	// MaxBufferedBytes bounds the request bytes buffered across all
 	// streams (503 beyond); 0 means 4 × MaxBodyBytes, at least 256 MiB.
@@ -45,6 +62,17 @@ type Config struct {
 	// DecisionTimeout bounds request headers → decision (503 beyond). It
 	// never applies to the response phase.
 	DecisionTimeout time.Duration
+	// StreamHeaderTimeout bounds stream open → request headers: a stream
+	// that sends none in time is closed with DEADLINE_EXCEEDED (there is no
+	// HTTP request to answer yet). 0 means DefaultStreamHeaderTimeout.
+	StreamHeaderTimeout time.Duration
+	// StreamIdleTimeout closes a decided stream that has received no
+	// message for this long: the decision ends as abandoned and the stream
+	// closes cleanly, so that Envoy carries on without kvbandit. It bounds
+	// what a data plane that went silent holds (goroutines, the buffered
+	// body, the decision); a live response is never cut by it, since every
+	// chunk resets it. 0 turns it off.
+	StreamIdleTimeout time.Duration
 	// ResponseProcessing keeps the stream open for the response, which
 	// feeds outcomes back. When false the stream closes cleanly after the
 	// request phase.
@@ -70,6 +98,12 @@ func (c *Config) defaults() {
 	}
 	if c.DecisionTimeout <= 0 {
 		c.DecisionTimeout = DefaultDecisionTimeout
+	}
+	if c.StreamHeaderTimeout <= 0 {
+		c.StreamHeaderTimeout = DefaultStreamHeaderTimeout
+	}
+	if c.StreamIdleTimeout < 0 {
+		c.StreamIdleTimeout = 0
 	}
 	if c.MaxSSEEvent <= 0 {
 		c.MaxSSEEvent = DefaultMaxSSEEvent
@@ -114,6 +148,9 @@ type Server struct {
 
 	streams atomic.Int64
 	budget  *Budget
+	// inflight counts the requests admitted at their headers, against
+	// MaxInflight.
+	inflight atomic.Int64
 
 	drainOnce sync.Once
 	drain     chan struct{}
@@ -121,7 +158,9 @@ type Server struct {
 	// unsafeClose warns once that response processing is off while the
 	// data plane still streams responses to kvbandit.
 	unsafeClose sync.Once
-	wg          sync.WaitGroup
+	// bodyUnseen warns once that the request body mode hides bodies.
+	bodyUnseen sync.Once
+	wg         sync.WaitGroup
 }
 
 var _ extprocv3.ExternalProcessorServer = (*Server)(nil)
@@ -146,6 +185,10 @@ func (s *Server) Config() Config { return s.cfg }
 
 // Streams returns the number of open streams.
 func (s *Server) Streams() int64 { return s.streams.Load() }
+
+// InFlight returns the number of requests admitted at their headers and
+// not finished: what MaxInflight bounds. It is at most Streams.
+func (s *Server) InFlight() int64 { return s.inflight.Load() }
 
 // Drain tells open streams to finish: streams still waiting for their
 // decision are answered 503 shutting_down, and new streams are refused
@@ -179,30 +222,20 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 	defer s.wg.Done()
 	s.metrics.streams.Inc()
 	defer s.metrics.streams.Dec()
-	n := s.streams.Add(1)
+	s.streams.Add(1)
 	defer s.streams.Add(-1)
 
 	ctx := stream.Context()
 	p := newProcessor(s)
 	defer p.close()
 
-	// Admission before anything is buffered: a stream over the limit, or
-	// one that opens while draining, is answered at its first message.
-	var refuse error
-	select {
-	case <-s.drain:
-		refuse = ErrShuttingDown
-	default:
-		if n > int64(s.cfg.MaxInflight) {
-			refuse = ErrTooManyStreams
-		}
-	}
-	if refuse != nil {
-		if _, err := stream.Recv(); err != nil {
-			return nil
-		}
-		p.finishRejected(refuse)
-		return s.send(stream, []*extprocv3.ProcessingResponse{Reject(refuse).immediate()})
+	// Admission (--max-inflight, drain) happens at the request headers,
+	// before anything is buffered: a stream that never sends them holds
+	// no slot, and the header timeout closes it.
+	headerTimeout := make(chan struct{})
+	p.headerTimer = s.clk.AfterFunc(s.cfg.StreamHeaderTimeout, func() { close(headerTimeout) })
+	if s.cfg.StreamIdleTimeout > 0 {
+		p.idle = make(chan struct{}, 1)
 	}
 
 	// Pick may wait in the admission queue while the receive loop holds the
@@ -218,11 +251,26 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 	// returns; it is not waited for, since it may be blocked in Recv.
 	go r.receive(ctx)
 
-	timeout, drain := p.deadline(), s.drain
+	timeout, drain, idle := p.deadline(), s.drain, p.idle
 	for {
 		select {
 		case <-r.finished:
 			return r.result
+		case <-headerTimeout:
+			headerTimeout = nil
+			if err, ok := r.control(func() (error, bool) {
+				if p.phase != phaseRequestHeaders {
+					return nil, false
+				}
+				p.abort(routing.OutcomeCancelled, "header_timeout")
+				return grpcError(fmt.Errorf("%w: none within %v", ErrHeaderTimeout, s.cfg.StreamHeaderTimeout)), true
+			}); ok {
+				return err
+			}
+		case <-idle:
+			if err, ok := r.control(p.idleCheck); ok {
+				return err
+			}
 		case <-timeout:
 			timeout = nil
 			cancelPick(ErrDecisionTimeout)
@@ -241,9 +289,11 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			// decided stream runs to its end: in FULL_DUPLEX_STREAMED mode
 			// Envoy drops the chunks it has sent but the server has not
 			// echoed yet, so an early close would cut holes in a response.
-			// The caller's hard stop bounds how long that may take.
+			// The caller's hard stop bounds how long that may take. A
+			// stream without request headers yet is refused when they come
+			// (processor.admit), so that the refusal answers a request.
 			if err, settled := r.control(func() (error, bool) {
-				if p.decided() {
+				if p.decided() || p.phase == phaseRequestHeaders {
 					return nil, false
 				}
 				return s.fail(stream, p, ErrShuttingDown), true
@@ -363,6 +413,22 @@ func (s *Server) fail(stream extprocv3.ExternalProcessor_ProcessServer, p *proce
 	p.abort(kind, reason)
 	s.log.Warn("ext_proc stream failed", "err", err, "request_id", p.requestID)
 	return grpcError(err)
+}
+
+// decidedWithoutBody counts a request decided at the headers although it
+// has a body, because the data plane's request_body_mode does not show the
+// body first, and warns once: such requests are routed without their model
+// (unless a header carries it) or prompt, so KV-cache overlap plays no part.
+func (s *Server) decidedWithoutBody(mode filterv3.ProcessingMode_BodySendMode) {
+	reason := "request_body_mode_none"
+	if mode == filterv3.ProcessingMode_STREAMED {
+		reason = "request_body_mode_streamed"
+	}
+	s.metrics.withoutBody.WithLabelValues(reason).Inc()
+	s.bodyUnseen.Do(func() {
+		s.log.Warn("the data plane's request_body_mode hides request bodies from kvbandit: requests are routed at the headers on load, hints and session affinity only, without the prompt's KV-cache overlap (and without the model unless "+HeaderModel+" carries it); set the ext_proc filter's request_body_mode to FULL_DUPLEX_STREAMED (or BUFFERED)",
+			"request_body_mode", mode.String())
+	})
 }
 
 func (s *Server) send(stream extprocv3.ExternalProcessor_ProcessServer, out []*extprocv3.ProcessingResponse) error {

@@ -15,6 +15,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/goleak"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -40,7 +41,7 @@ type harness struct {
 	doneC    chan routing.Outcome
 }
 
-func newHarness(t *testing.T, cfg extproc.Config, clk clock.Clock) *harness {
+func newHarness(t *testing.T, cfg extproc.Config, clk clock.Clock, dial ...grpc.DialOption) *harness {
 	t.Helper()
 	h := &harness{reg: prometheus.NewRegistry(), doneC: make(chan routing.Outcome, 16)}
 	log := slog.New(slog.DiscardHandler)
@@ -55,7 +56,7 @@ func newHarness(t *testing.T, cfg extproc.Config, clk clock.Clock) *harness {
 		t.Fatal(err)
 	}
 	h.srv = extproc.NewServer(cfg, extproc.Deps{Picker: h.engine, Logger: log, Registry: h.reg, Clock: clk})
-	h.client, h.stop = startServer(t, h.srv)
+	h.client, h.stop = startServer(t, h.srv, dial...)
 	t.Cleanup(func() {
 		h.stop()
 		for _, st := range h.engine.Endpoints() {
@@ -358,16 +359,28 @@ func waitStreams(t *testing.T, s *extproc.Server, n int64) {
 	}
 }
 
+func waitInFlight(t *testing.T, s *extproc.Server, n int64) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for s.InFlight() != n {
+		if time.Now().After(deadline) {
+			t.Fatalf("in flight = %d, want %d", s.InFlight(), n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 func TestDecisionTimeout(t *testing.T) {
 	vc := clock.NewVirtual(time.Unix(0, 0))
-	h := newHarness(t, extproc.Config{ResponseProcessing: true, DecisionTimeout: 5 * time.Second}, vc)
+	h := newHarness(t, extproc.Config{ResponseProcessing: true, DecisionTimeout: 5 * time.Second, StreamHeaderTimeout: time.Hour}, vc)
 	s, _ := h.client.Process(t.Context())
 	send(t, s, reqHeaders("/v1/chat/completions", false, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED))
 	send(t, s, reqBody(chat[:5], false))
-	// Wait until the server armed its deadline, then move time past it.
+	// Wait until the server armed its deadline (the header timer, due in
+	// an hour, is gone once the headers arrived), then move time past it.
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		if _, ok := vc.NextAt(); ok {
+		if at, ok := vc.NextAt(); ok && at.Equal(time.Unix(5, 0)) {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -387,7 +400,7 @@ func TestMaxInflightRejectsBeforeBuffering(t *testing.T) {
 	h := newHarness(t, extproc.Config{ResponseProcessing: true, MaxInflight: 1}, nil)
 	s1, _ := h.client.Process(t.Context())
 	send(t, s1, reqHeaders("/v1/chat/completions", false, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED))
-	waitStreams(t, h.srv, 1)
+	waitInFlight(t, h.srv, 1)
 	s2, _ := h.client.Process(t.Context())
 	send(t, s2, reqHeaders("/v1/chat/completions", false, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED))
 	r := recv(t, s2)

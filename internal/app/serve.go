@@ -34,6 +34,13 @@ import (
 	"github.com/kvbandit/kvbandit/routing/scrape"
 )
 
+// ext_proc server keepalive: how long a connection may be quiet before
+// the server pings it, and how long it waits for the ack.
+const (
+	grpcKeepaliveTime    = time.Minute
+	grpcKeepaliveTimeout = 20 * time.Second
+)
+
 // Health service names (GIE endpoint picker protocol).
 const (
 	healthLiveness  = "liveness"
@@ -67,6 +74,11 @@ type ServeOptions struct {
 	ResponseProcessing bool
 	LogLevel           string
 	LogFormat          string
+
+	// StreamHeaderTimeout and StreamIdleTimeout bound an ext_proc stream
+	// before its request headers and, once decided, between messages.
+	StreamHeaderTimeout time.Duration
+	StreamIdleTimeout   time.Duration
 
 	// Router flags (Dynamo's names); they override the config file's
 	// router section when given.
@@ -118,6 +130,8 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.Int64Var(&o.MaxBufferedBytes, "max-buffered-bytes", 0, "request body bytes buffered at once by the ext_proc streams and the --http-addr proxy together (503 server_busy beyond); 0 = max(4 x max-body-bytes, 256 MiB)")
 	fs.IntVar(&o.Fallbacks, "fallbacks", 0, "extra endpoints appended to the destination list; keep 0 with ORIGINAL_DST data planes")
 	fs.DurationVar(&o.DecisionTimeout, "decision-timeout", extproc.DefaultDecisionTimeout, "request headers -> decision deadline (503 decision_timeout beyond); never applies to the response")
+	fs.DurationVar(&o.StreamHeaderTimeout, "stream-header-timeout", extproc.DefaultStreamHeaderTimeout, "ext_proc stream open -> request headers deadline; a stream that sends none is closed (DEADLINE_EXCEEDED) and never holds a --max-inflight slot (0 = the default)")
+	fs.DurationVar(&o.StreamIdleTimeout, "stream-idle-timeout", extproc.DefaultStreamIdleTimeout, "a decided ext_proc stream that receives no message for this long is closed cleanly and its decision released (abandoned); every response chunk resets it; 0 = off")
 	fs.DurationVar(&o.DrainTimeout, "drain-timeout", 25*time.Second, "on SIGTERM: readiness goes NOT_SERVING, open streams get this long to finish before they are closed")
 	fs.DurationVar(&o.StopGrace, "stop-grace", 5*time.Second, "after the drain deadline: how long streams that already have a decision may keep streaming their response before they are cut")
 	fs.StringVar(&o.TenantHeader, "tenant-header", "", "request header, set by the gateway, that scopes prefix state per tenant")
@@ -170,6 +184,12 @@ func (o *ServeOptions) Validate() error {
 	}
 	if o.DecisionTimeout <= 0 {
 		errs = append(errs, errors.New("--decision-timeout must be > 0"))
+	}
+	if o.StreamHeaderTimeout < 0 {
+		errs = append(errs, errors.New("--stream-header-timeout must be >= 0 (0 = the default)"))
+	}
+	if o.StreamIdleTimeout < 0 {
+		errs = append(errs, errors.New("--stream-idle-timeout must be >= 0 (0 = off)"))
 	}
 	if o.DrainTimeout < 0 {
 		errs = append(errs, errors.New("--drain-timeout must be >= 0"))
@@ -414,13 +434,15 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	}
 	budget := extproc.NewBudget(maxBuffered)
 	ep := extproc.NewServer(extproc.Config{
-		MaxBodyBytes:       o.MaxBodyBytes,
-		MaxInflight:        o.MaxInflight,
-		MaxBufferedBytes:   o.MaxBufferedBytes,
-		DecisionTimeout:    o.DecisionTimeout,
-		ResponseProcessing: o.ResponseProcessing,
-		TenantHeader:       o.TenantHeader,
-		TokenizerTimeout:   secs(fileCfg.Tokenizer.TimeoutSecs),
+		MaxBodyBytes:        o.MaxBodyBytes,
+		MaxInflight:         o.MaxInflight,
+		MaxBufferedBytes:    o.MaxBufferedBytes,
+		DecisionTimeout:     o.DecisionTimeout,
+		StreamHeaderTimeout: o.StreamHeaderTimeout,
+		StreamIdleTimeout:   o.StreamIdleTimeout,
+		ResponseProcessing:  o.ResponseProcessing,
+		TenantHeader:        o.TenantHeader,
+		TokenizerTimeout:    secs(fileCfg.Tokenizer.TimeoutSecs),
 	}, extproc.Deps{Picker: engine, Tokenizer: tok, Logger: log, Registry: reg, Budget: budget})
 	var px *proxy.Proxy
 	if ls.HTTP != nil || o.HTTPAddr != "" {
@@ -450,7 +472,17 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		grpcTLS(tlsSrc),
 		grpc.MaxRecvMsgSize(maxMsg),
 		grpc.MaxConcurrentStreams(uint32(min(o.MaxInflight*2, 1<<20))),
+		// Envoy's connection_keepalive pings (every 30 s in envoy/*.yaml)
+		// are allowed down to one per 10 s; faster ones end the
+		// connection with GOAWAY too_many_pings.
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+		// Ping a connection that has been quiet for a minute and close it
+		// when the ack does not come within 20 s: a dead peer (host gone,
+		// partition) then ends its streams, which release their decisions,
+		// instead of holding them until the idle timeout. Envoy answers
+		// pings as any HTTP/2 peer must, and a quiet connection is pinged
+		// at most once a minute.
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: grpcKeepaliveTime, Timeout: grpcKeepaliveTimeout}),
 	)
 	extprocv3.RegisterExternalProcessorServer(gs, ep)
 	reflection.Register(gs)
