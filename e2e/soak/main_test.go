@@ -6,4 +6,10 @@ import (
 	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		// go-zeromq v0.17.0's PUB writer (the simulated workers' KV
+		// events) can outlive Close: an upstream bug, see routing/kvevents.
+		goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run"),
+	)
+}
