@@ -211,9 +211,10 @@ func (w *fleetWorker) record(gen int64, rng *rand.Rand) record {
 
 // writeAll writes the endpoints file with every worker and no churn.
 func (f *fleet) writeAll() error {
+	gen := f.gen.Add(1)
 	var recs []any
 	for _, w := range f.workers {
-		recs = append(recs, w.record(f.gen.Add(1), nil))
+		recs = append(recs, w.record(gen, nil))
 	}
 	return f.write(recs)
 }
