@@ -321,6 +321,17 @@ func (p *page) sum(name string) (v float64, ok bool) {
 	return v, ok
 }
 
+// byLabel returns the value of name's series whose label is value, and
+// whether there is one.
+func (p *page) byLabel(name, label, value string) (float64, bool) {
+	for _, s := range p.series {
+		if s.name == name && s.labels[label] == value {
+			return s.value, true
+		}
+	}
+	return 0, false
+}
+
 // nonZero lists "label=value" for the series of name whose value is not 0.
 func (p *page) nonZero(name, label string) []string {
 	var out []string

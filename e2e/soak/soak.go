@@ -238,7 +238,7 @@ func (s *soak) setUp(ctx context.Context) error {
 		}
 	}
 	if s.csv != nil {
-		fmt.Fprintln(s.csv, csvHeader(s.classes))
+		fmt.Fprintln(s.csv, csvHeader(s.classes, fl.httpAddrs()))
 	}
 
 	s.logf("kvbandit pid %d: ext_proc %s, proxy http://%s, admin http://%s, log %s", k.pid(), k.grpcAddr, k.httpAddr, k.metricsAddr, k.logPath)
@@ -398,6 +398,13 @@ func (s *soak) sample(ctx context.Context, phase string) sample {
 	sm.proxyInflight, _ = p.sum("kvbandit_proxy_requests_inflight")
 	sm.epInflight, _ = p.sum("kvbandit_endpoint_inflight")
 	sm.epBusy = p.nonZero("kvbandit_endpoint_inflight", "endpoint")
+	for _, w := range s.fleet.workers {
+		v, ok := p.byLabel("kvbandit_endpoint_inflight", "endpoint", w.httpAddr)
+		if !ok {
+			v = -1
+		}
+		sm.epInflights = append(sm.epInflights, v)
+	}
 	sm.buffered, _ = p.sum("kvbandit_buffered_body_bytes")
 	sm.kvSubs, _ = p.sum("kvbandit_kv_events_subscribers")
 	sm.startTime, _ = p.sum("process_start_time_seconds")

@@ -23,7 +23,8 @@ type sample struct {
 	proxyInflight float64 // kvbandit_proxy_requests_inflight
 	epInflight    float64 // sum of kvbandit_endpoint_inflight
 	epBusy        []string
-	buffered      float64 // kvbandit_buffered_body_bytes
+	epInflights   []float64 // per fleet worker, in fleet order (-1: not in the set)
+	buffered      float64   // kvbandit_buffered_body_bytes
 	metricsBytes  int
 	kvSubs        float64
 	startTime     float64 // process_start_time_seconds
@@ -287,9 +288,12 @@ func fmtElapsed(d time.Duration) string {
 	return s
 }
 
-func csvHeader(classes []*class) string {
+func csvHeader(classes []*class, endpoints []string) string {
 	cols := []string{"elapsed_s", "phase", "rss_bytes", "heap_inuse_bytes", "goroutines", "threads", "fds", "extproc_streams",
 		"proxy_inflight", "endpoint_inflight", "buffered_body_bytes", "metrics_bytes", "kv_subscribers", "ok", "failed", "skipped"}
+	for _, ep := range endpoints {
+		cols = append(cols, "inflight_"+ep)
+	}
 	for _, c := range classes {
 		cols = append(cols, c.name+"_ok", c.name+"_failed", c.name+"_skipped")
 	}
@@ -301,6 +305,9 @@ func (s sample) csv() string {
 		fmt.Sprintf("%.0f", s.goroutines), fmt.Sprint(s.threads), fmt.Sprint(s.fds), fmt.Sprintf("%.0f", s.streams),
 		fmt.Sprintf("%.0f", s.proxyInflight), fmt.Sprintf("%.0f", s.epInflight), fmt.Sprintf("%.0f", s.buffered),
 		fmt.Sprint(s.metricsBytes), fmt.Sprintf("%.0f", s.kvSubs), fmt.Sprint(s.ok), fmt.Sprint(s.failed), fmt.Sprint(s.skipped)}
+	for _, v := range s.epInflights {
+		cols = append(cols, fmt.Sprintf("%.0f", v))
+	}
 	for _, c := range s.perClass {
 		cols = append(cols, fmt.Sprint(c.ok), fmt.Sprint(c.failed), fmt.Sprint(c.skipped))
 	}
