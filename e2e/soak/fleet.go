@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -238,12 +239,15 @@ func (f *fleet) churn(rng *rand.Rand) (present int, err error) {
 		}
 	}
 	if rng.IntN(5) == 0 {
+		// Records discovery must skip (an accepted record would be an
+		// endpoint nobody serves on, failing normal traffic).
 		bad := []any{
 			map[string]any{"address": "not-an-address"},
 			map[string]any{"address": "127.0.0.1:1", "engine": "tensorrt"},
 			map[string]any{"address": "127.0.0.1:2", "block_size": -16},
 			map[string]any{"address": "127.0.0.1:3", "data_parallel_size": 1 << 30},
-			map[string]any{"address": "127.0.0.1:4", "kv_events": "bogus://x"},
+			map[string]any{"address": "127.0.0.1:4", "models": []string{strings.Repeat("m", 600)}},
+			map[string]any{"address": "127.0.0.1:5", "labels": manyLabels(300)},
 			"just a string",
 		}
 		recs = append(recs, bad[rng.IntN(len(bad))])
@@ -253,6 +257,14 @@ func (f *fleet) churn(rng *rand.Rand) (present int, err error) {
 	}
 	rng.Shuffle(len(recs), func(i, j int) { recs[i], recs[j] = recs[j], recs[i] })
 	return count(keep), f.write(recs)
+}
+
+func manyLabels(n int) map[string]string {
+	m := make(map[string]string, n)
+	for i := range n {
+		m[fmt.Sprintf("label-%d", i)] = "v"
+	}
+	return m
 }
 
 func count(b []bool) int {
