@@ -53,6 +53,7 @@ type options struct {
 	MinSuccess      float64
 	RequestTimeout  time.Duration
 	StopLoadTimeout time.Duration
+	RSSLimitMiB     float64
 
 	// set records the flags given on the command line.
 	set map[string]bool
@@ -109,6 +110,7 @@ func parseOptions(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&o.QuiesceTimeout, "quiesce-timeout", 60*time.Second, "after the load: how long streams and in-flight requests get to drain to 0")
 	fs.Float64Var(&o.MinSuccess, "min-success", 0.5, "fail when less than this fraction of normal traffic succeeded in the last third of the run (0: off)")
 	fs.DurationVar(&o.RequestTimeout, "request-timeout", 30*time.Second, "client-side bound on one request of any class (a request still open then failed: the server hung)")
+	fs.Float64Var(&o.RSSLimitMiB, "rss-limit-mib", 4096, "kill kvbandit (and fail) as soon as its RSS passes this many MiB, checked twice a second: a shared machine must not run out of memory (0: no limit)")
 	fs.DurationVar(&o.StopLoadTimeout, "stop-load-timeout", 45*time.Second, "after the load is stopped: how long its goroutines get to return")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -151,6 +153,7 @@ func (o *options) validate() error {
 	check(o.MinSuccess >= 0 && o.MinSuccess <= 1, "--min-success must be in [0, 1]")
 	check(o.RequestTimeout >= time.Second, "--request-timeout must be >= 1s")
 	check(o.StopLoadTimeout > 0, "--stop-load-timeout must be > 0")
+	check(o.RSSLimitMiB >= 0, "--rss-limit-mib must be >= 0")
 	known := map[string]bool{}
 	for _, c := range classCatalog(*o) {
 		known[c.name] = true

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"google.golang.org/grpc"
@@ -43,6 +44,7 @@ type soak struct {
 	mu      sync.Mutex
 	samples []sample
 	died    string // why the process is gone, once it is
+	killed  string // why the watchdog killed it
 }
 
 func newSoak(o options, stdout, stderr io.Writer) (*soak, error) {
@@ -74,6 +76,9 @@ func (s *soak) run(ctx context.Context) int {
 		return exitFail
 	}
 
+	watchCtx, stopWatch := context.WithCancel(ctx)
+	defer stopWatch()
+	go s.watchdog(watchCtx)
 	fmt.Fprintln(s.stdout, tableHeader)
 	s.record(s.sample(ctx, "idle"))
 	s.start = time.Now()
@@ -304,17 +309,63 @@ func (s *soak) sampleLoop(ctx context.Context) {
 	}
 }
 
-func (s *soak) processDied() {
+// watchdog kills kvbandit (by PID) the moment its RSS passes the limit,
+// so that a hostile pattern that makes it allocate gigabytes fails the
+// soak instead of exhausting a shared machine.
+func (s *soak) watchdog(ctx context.Context) {
+	if s.o.RSSLimitMiB <= 0 {
+		return
+	}
+	limit := int64(s.o.RSSLimitMiB * (1 << 20))
+	tick := time.NewTicker(500 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.k.exited:
+			return
+		case <-tick.C:
+		}
+		ps, err := readProc(s.k.pid())
+		if err != nil || ps.RSS <= limit {
+			continue
+		}
+		s.mu.Lock()
+		s.killed = fmt.Sprintf("kvbandit's RSS reached %s %v into the load (--rss-limit-mib %.0f): killed; requests open then, besides normal traffic: %s",
+			mib(float64(ps.RSS)), fmtElapsed(time.Since(s.start)), s.o.RSSLimitMiB, s.openHostile())
+		s.mu.Unlock()
+		fmt.Fprintln(s.stdout, "soak: "+s.killed)
+		_ = syscall.Kill(s.k.pid(), syscall.SIGKILL)
+		return
+	}
+}
+
+// openHostile lists the classes other than normal traffic with requests
+// open now: the suspects when the process dies.
+func (s *soak) openHostile() string {
 	var open []string
 	for _, c := range s.classes {
 		if n := c.t.open.Load(); n > 0 && c.group != groupNormal {
 			open = append(open, fmt.Sprintf("%s %d", c.name, n))
 		}
 	}
+	if len(open) == 0 {
+		return "none"
+	}
+	return strings.Join(open, ", ")
+}
+
+func (s *soak) processDied() {
+	open := s.openHostile() // at once: the clients see the process go soon
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.died = fmt.Sprintf("kvbandit died %v into the load (%v); requests open then, besides normal traffic: %s; its log:\n%s",
-		fmtElapsed(time.Since(s.start)), s.k.waitErr, strings.Join(open, ", "), indent(crashExcerpt(s.k.logTail(5000))))
+	if s.killed != "" {
+		s.died = s.killed
+		return
+	}
+	s.died = fmt.Sprintf("kvbandit died %v into the load (%v); requests open then (best effort), besides normal traffic: %s; its log:\n%s",
+		fmtElapsed(time.Since(s.start)), s.k.waitErr, open, indent(crashExcerpt(s.k.logTail(5000))))
 	fmt.Fprintf(s.stdout, "soak: kvbandit (pid %d) is gone: %v\n", s.k.pid(), s.k.waitErr)
 }
 
