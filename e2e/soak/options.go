@@ -45,6 +45,7 @@ type options struct {
 
 	// Verdict.
 	Warmup          float64
+	WarmupMin       time.Duration
 	RSSTolerance    float64
 	RSSSlackMiB     float64
 	GorTolerance    float64
@@ -103,6 +104,7 @@ func parseOptions(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.ServeArgs, "serve-args", "", "extra `kvbandit serve` arguments, space-separated")
 
 	fs.Float64Var(&o.Warmup, "warmup", 0.1, "fraction of the run left out of the growth analysis (at least 2 samples)")
+	fs.DurationVar(&o.WarmupMin, "warmup-min", 2*time.Minute, "the warm-up lasts at least this long (the heap takes a minute or two to reach its working size under the full load), but at most half the run")
 	fs.Float64Var(&o.RSSTolerance, "rss-tolerance", 0.25, "fail when RSS grows by more than this fraction after the warm-up")
 	fs.Float64Var(&o.RSSSlackMiB, "rss-slack-mib", 16, "RSS growth below this many MiB never fails (small processes)")
 	fs.Float64Var(&o.GorTolerance, "goroutine-tolerance", 0.10, "fail when goroutines grow by more than this fraction after the warm-up")
@@ -146,6 +148,7 @@ func (o *options) validate() error {
 	check(o.DecisionTimeout > 0, "--decision-timeout must be > 0")
 	check(o.MaxBodyBytes >= 1<<10 && o.MaxBodyBytes <= 1<<30, "--max-body-bytes must be in [1 KiB, 1 GiB]")
 	check(o.Warmup >= 0 && o.Warmup < 0.5, "--warmup must be in [0, 0.5)")
+	check(o.WarmupMin >= 0, "--warmup-min must be >= 0")
 	check(o.RSSTolerance > 0, "--rss-tolerance must be > 0")
 	check(o.GorTolerance > 0, "--goroutine-tolerance must be > 0")
 	check(o.RSSSlackMiB >= 0 && o.GorSlack >= 0, "slacks must be >= 0")

@@ -40,8 +40,7 @@ type classCount struct{ ok, failed, skipped int64 }
 
 // limits are the verdict's tolerances.
 type limits struct {
-	warmup             float64 // fraction of the duration
-	duration           time.Duration
+	warmup             time.Duration
 	rssTol, rssSlack   float64 // fraction, bytes
 	gorTol, gorSlack   float64 // fraction, count
 	minSuccess         float64
@@ -51,7 +50,8 @@ type limits struct {
 }
 
 func defaultLimits(o options) limits {
-	return limits{warmup: o.Warmup, duration: o.Duration, rssTol: o.RSSTolerance, rssSlack: o.RSSSlackMiB * (1 << 20),
+	warmup := min(max(time.Duration(o.Warmup*float64(o.Duration)), o.WarmupMin), o.Duration/2)
+	return limits{warmup: warmup, rssTol: o.RSSTolerance, rssSlack: o.RSSSlackMiB * (1 << 20),
 		gorTol: o.GorTolerance, gorSlack: o.GorSlack, minSuccess: o.MinSuccess,
 		minJudgedSamples: 6, minWarmupSamples: 2, minSuccessRequests: 20}
 }
@@ -82,7 +82,7 @@ func (g growth) String() string {
 }
 
 // judged returns the load samples after the warm-up: those taken after
-// warmup × duration, and never the first minWarmup ones.
+// the warm-up time, and never the first minWarmupSamples ones.
 func judged(samples []sample, l limits) []sample {
 	var load []sample
 	for _, s := range samples {
@@ -91,7 +91,7 @@ func judged(samples []sample, l limits) []sample {
 		}
 	}
 	skip := l.minWarmupSamples
-	cut := time.Duration(l.warmup * float64(l.duration))
+	cut := l.warmup
 	for skip < len(load) && load[skip].at < cut {
 		skip++
 	}

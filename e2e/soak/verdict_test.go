@@ -92,6 +92,21 @@ func TestJudgedSkipsWarmup(t *testing.T) {
 	}
 }
 
+func TestWarmupBounds(t *testing.T) {
+	for _, tc := range []struct {
+		duration, want time.Duration
+	}{
+		{30 * time.Minute, 3 * time.Minute}, // 10%
+		{3 * time.Minute, 90 * time.Second}, // at least 2 min, at most half
+		{10 * time.Minute, 2 * time.Minute}, // at least 2 min
+	} {
+		o := options{Warmup: 0.1, WarmupMin: 2 * time.Minute, Duration: tc.duration}
+		if got := defaultLimits(o).warmup; got != tc.want {
+			t.Errorf("%v run: warm-up %v, want %v", tc.duration, got, tc.want)
+		}
+	}
+}
+
 func TestVerdictRestartAndService(t *testing.T) {
 	ss := loadSeries(30, func(int) (float64, float64) { return 100 * mb, 100 })
 	for i := range ss {
