@@ -93,6 +93,11 @@ verify: lint ## lint, go mod tidy, Envoy config validation, examples build, clea
 	$(GO) build ./examples/... ./cmd/...
 	git diff --exit-code
 
+.PHONY: soak
+soak: build ## kvbandit under mixed hostile load for SOAK_DURATION (default 30m), failing on RSS/goroutine growth, leaks or a crash (SOAK_FLAGS for more, e.g. --csv soak.csv); not CI
+	$(GO) build -o bin/soak ./e2e/soak
+	./bin/soak --bin $(BIN) --duration $${SOAK_DURATION:-30m} $(SOAK_FLAGS)
+
 .PHONY: clean
 clean: ## remove build output
 	rm -rf bin

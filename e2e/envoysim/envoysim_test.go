@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -1065,5 +1066,33 @@ func TestShippedHeaderFilters(t *testing.T) {
 	}
 	if x.Upstream != w1.Addr() || x.Fallback {
 		t.Errorf("upstream %q fallback %v", x.Upstream, x.Fallback)
+	}
+}
+
+// DiscardHistory keeps neither events nor exchanges, still counts ended
+// exchanges for WaitExchanges, and still calls Trace.
+func TestDiscardHistory(t *testing.T) {
+	w := startWorker(t, worker.Config{})
+	pk := &picker{dest: w.Addr()}
+	var traced atomic.Int64
+	p := startProxy(t, envoysim.Config{ExtProcAddr: startExtProc(t, pk.process), Hosts: []string{w.Addr()},
+		DiscardHistory: true, Trace: func(envoysim.Event) { traced.Add(1) }})
+	c := client(t)
+	for range 3 {
+		if resp := do(t, c, "POST", p.URL()+"/v1/completions", []byte(`{"model":"test-model","prompt":"hi"}`), nil); resp.status != http.StatusOK {
+			t.Fatalf("status %d %s", resp.status, resp.body)
+		}
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	xs, err := p.WaitExchanges(ctx, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(xs) != 0 || len(p.Exchanges()) != 0 || len(p.Events()) != 0 {
+		t.Errorf("kept %d exchanges (%d) and %d events, want none", len(xs), len(p.Exchanges()), len(p.Events()))
+	}
+	if traced.Load() == 0 {
+		t.Error("Trace saw no event")
 	}
 }

@@ -112,6 +112,11 @@ type Config struct {
 	// Trace, when set, is called with every event, from the goroutine that
 	// serves the request; it must be safe for concurrent use.
 	Trace func(Event)
+	// DiscardHistory keeps no events and no ended exchanges (Events and
+	// Exchanges stay empty, WaitExchanges only counts): for long runs such
+	// as the soak, where the history would grow without bound. Trace still
+	// sees every event.
+	DiscardHistory bool
 }
 
 // Proxy is a running imitation of Envoy. Create it with [New], then
@@ -129,6 +134,7 @@ type Proxy struct {
 	closed    bool
 	events    []Event
 	exchanges []Exchange
+	ended     int           // exchanges that have ended
 	changed   chan struct{} // closed and replaced when an exchange ends
 
 	ctx       context.Context
@@ -311,7 +317,7 @@ func (p *Proxy) Exchanges() []Exchange {
 func (p *Proxy) WaitExchanges(ctx context.Context, n int) ([]Exchange, error) {
 	for {
 		p.mu.Lock()
-		if len(p.exchanges) >= n {
+		if p.ended >= n {
 			out := slices.Clone(p.exchanges)
 			p.mu.Unlock()
 			return out, nil
@@ -327,9 +333,11 @@ func (p *Proxy) WaitExchanges(ctx context.Context, n int) ([]Exchange, error) {
 }
 
 func (p *Proxy) record(e Event) {
-	p.mu.Lock()
-	p.events = append(p.events, e)
-	p.mu.Unlock()
+	if !p.cfg.DiscardHistory {
+		p.mu.Lock()
+		p.events = append(p.events, e)
+		p.mu.Unlock()
+	}
 	if p.cfg.Trace != nil {
 		p.cfg.Trace(e)
 	}
@@ -338,7 +346,10 @@ func (p *Proxy) record(e Event) {
 func (p *Proxy) finishExchange(x Exchange) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.exchanges = append(p.exchanges, x)
+	p.ended++
+	if !p.cfg.DiscardHistory {
+		p.exchanges = append(p.exchanges, x)
+	}
 	close(p.changed)
 	p.changed = make(chan struct{})
 }

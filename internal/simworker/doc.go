@@ -24,7 +24,8 @@
 //     vllm:prefix_cache_hits_total, vllm:prompt_tokens_total,
 //     vllm:generation_tokens_total).
 //   - KV events over ZMQ in vLLM's wire format, when Config.KVEventsAddr
-//     is set: a PUB socket bound there sends 3-frame messages (topic
+//     is set: a PUB socket bound there (or, with Config.KVEventsDial,
+//     connected there to a bound subscriber) sends 3-frame messages (topic
 //     "kv@<http addr>@<model>", an 8-byte big-endian sequence number from
 //     0, a msgpack array_like EventBatch [ts, [events], dp_rank]) with
 //     BlockStored and BlockRemoved events. The block hashes are the

@@ -16,20 +16,36 @@ import (
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 )
 
-// kvPub sends KV event batches on a bound ZMQ PUB socket from its own
-// goroutine.
+// kvPub sends KV event batches on a ZMQ PUB socket (bound, or dialed)
+// from its own goroutine.
 type kvPub struct {
-	sock  zmq4.Socket
-	topic []byte
-	log   *slog.Logger
-	queue chan kvMsg
-	seq   uint64 // next sequence number (owned by the caller of publish)
+	sock   zmq4.Socket
+	dialed string // the subscriber's address in dial mode, else ""
+	topic  []byte
+	log    *slog.Logger
+	queue  chan kvMsg
+	seq    uint64 // next sequence number (owned by the caller of publish)
 	// dropped counts batches dropped because the queue was full.
 	dropped atomic.Uint64
 	wg      sync.WaitGroup
 }
 
-func newKVPub(ctx context.Context, addr string, log *slog.Logger) (*kvPub, error) {
+func newKVPub(ctx context.Context, addr string, dial bool, log *slog.Logger) (*kvPub, error) {
+	if dial {
+		// go-zeromq redials a broken connection itself (retrying every
+		// 250 ms until ctx ends); the first dial may wait for the
+		// subscriber to bind, so it runs in the background.
+		p := &kvPub{sock: zmq4.NewPub(ctx, zmq4.WithDialerMaxRetries(-1), zmq4.WithAutomaticReconnect(true)),
+			dialed: addr, log: log, queue: make(chan kvMsg, 1024)}
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			if err := p.sock.Dial(addr); err != nil && ctx.Err() == nil {
+				log.Warn("kv events: dial failed", "addr", addr, "err", err)
+			}
+		}()
+		return p, nil
+	}
 	sock := zmq4.NewPub(ctx)
 	if err := sock.Listen(addr); err != nil {
 		_ = sock.Close()
@@ -43,8 +59,14 @@ type kvMsg struct {
 	payload []byte
 }
 
-// addr is the bound address as a ZMQ endpoint, e.g. "tcp://127.0.0.1:5557".
-func (p *kvPub) addr() string { return "tcp://" + p.sock.Addr().String() }
+// addr is the bound address as a ZMQ endpoint, e.g. "tcp://127.0.0.1:5557",
+// or the dialed one.
+func (p *kvPub) addr() string {
+	if p.dialed != "" {
+		return p.dialed
+	}
+	return "tcp://" + p.sock.Addr().String()
+}
 
 func (p *kvPub) start(topic string) {
 	p.topic = []byte(topic)

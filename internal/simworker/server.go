@@ -42,6 +42,11 @@ type Config struct {
 	// KVEventsAddr is the ZMQ address the KV event PUB socket binds, e.g.
 	// "tcp://127.0.0.1:0"; empty: no KV events.
 	KVEventsAddr string
+	// KVEventsDial makes the PUB socket connect to KVEventsAddr, where the
+	// subscriber is bound (llm-d-inference-sim's way, the endpoint record's
+	// kv_events_bind), instead of binding it. It dials in the background
+	// and again whenever the connection breaks, until Close.
+	KVEventsDial bool
 	// Speed is the worker's speed factor (2 = twice as fast); when > 0 it
 	// replaces Worker.Speed.
 	Speed float64
@@ -183,7 +188,7 @@ func (s *Server) Start(ctx context.Context) error {
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	if s.cfg.KVEventsAddr != "" {
-		pub, err := newKVPub(ctx, s.cfg.KVEventsAddr, s.log)
+		pub, err := newKVPub(ctx, s.cfg.KVEventsAddr, s.cfg.KVEventsDial, s.log)
 		if err != nil {
 			cancel()
 			ln.Close()
@@ -212,8 +217,8 @@ func (s *Server) Start(ctx context.Context) error {
 // Addr is the HTTP address (host:port) once started.
 func (s *Server) Addr() string { return s.ln.Addr().String() }
 
-// KVEventsAddr is the bound ZMQ address ("tcp://host:port"), or "" without
-// KV events.
+// KVEventsAddr is the bound ZMQ address ("tcp://host:port"), the dialed
+// one with Config.KVEventsDial, or "" without KV events.
 func (s *Server) KVEventsAddr() string {
 	if s.pub == nil {
 		return ""

@@ -375,3 +375,44 @@ func TestQueueingAndClose(t *testing.T) {
 	s.Close()
 	wg.Wait()
 }
+
+// With KVEventsDial the worker connects to a bound subscriber (the
+// endpoint record's kv_events_bind) and connects again when the subscriber
+// goes away and comes back on the same address.
+func TestKVEventsDial(t *testing.T) {
+	t.Parallel()
+	subscribe := func(addr string) *kvevents.Sub {
+		t.Helper()
+		sub, err := kvevents.Subscribe(t.Context(), kvevents.Config{Endpoint: "w", Address: addr, Bind: true}, kvevents.Deps{
+			Apply: func(string, int, kvindex.Event) error { return nil },
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return sub
+	}
+	sub := subscribe("tcp://127.0.0.1:0")
+	addr := "tcp://" + sub.Addr().String()
+	s := start(t, Config{KVEventsAddr: addr, KVEventsDial: true})
+	if got := s.KVEventsAddr(); got != addr {
+		t.Fatalf("KVEventsAddr() = %q, want %q", got, addr)
+	}
+	// PUB/SUB drops what is sent before the connection and the
+	// subscription: send distinct prompts until one gets through.
+	receive := func(sub *kvevents.Sub, round int) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for i := 0; sub.Stats().Messages == 0; i++ {
+			if time.Now().After(deadline) {
+				t.Fatalf("round %d: no KV events received on the bound subscriber", round)
+			}
+			post(t, s, "/v1/completions", fmt.Sprintf(`{"model":"sim-model","prompt":"round %d prompt %d %s","max_tokens":1}`, round, i, longPrompt))
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	receive(sub, 1)
+	sub.Close()
+	sub = subscribe(addr) // the same address again: the worker redials it
+	defer sub.Close()
+	receive(sub, 2)
+}
