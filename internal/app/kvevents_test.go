@@ -98,3 +98,65 @@ func grepLines(s string, prefixes ...string) string {
 	}
 	return strings.Join(out, "\n")
 }
+
+// TestServeExportsKVConnectionErrors: a peer that connects to a bound
+// KV-event socket (kv_events_bind) and sends garbage instead of a ZMTP
+// greeting is counted in kvbandit_kv_events_total{kind="connection_errors"},
+// so an operator sees who hammers the socket.
+func TestServeExportsKVConnectionErrors(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	kvAddr := l.Addr().String()
+	l.Close()
+	cfgPath := filepath.Join(t.TempDir(), "c.yaml")
+	os.WriteFile(cfgPath, []byte(fmt.Sprintf("endpoints:\n- address: 127.0.0.1:8001\n  kv_events: tcp://%s\n  kv_events_bind: true\n", kvAddr)), 0o644)
+
+	listen := func() net.Listener {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	ready := make(chan string, 1)
+	ls := &Listeners{GRPC: listen(), Health: listen(), Metrics: listen(), Ready: func(_, _, m string) { ready <- m }}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	o := ServeOptions{ConfigPath: cfgPath, Policy: "kv", MaxBodyBytes: 1 << 20, MaxInflight: 8, DecisionTimeout: time.Second, DrainTimeout: 10 * time.Millisecond, StopGrace: 10 * time.Millisecond, ResponseProcessing: true, LogLevel: "info", LogFormat: "text", MetricsAddr: "x"}
+	go func() { done <- Serve(ctx, o, slog.New(slog.DiscardHandler), ls) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	metrics := "http://" + <-ready + "/metrics"
+
+	want := `kvbandit_kv_events_total{endpoint="127.0.0.1:8001",kind="connection_errors"} 1`
+	deadline := time.Now().Add(20 * time.Second)
+	sent := false
+	for {
+		body := get(t, metrics)
+		if strings.Contains(body, want) {
+			if !strings.Contains(body, `kvbandit_kv_events_connections{endpoint="127.0.0.1:8001"} 0`) {
+				t.Errorf("the garbage connection is still counted as open:\n%s", grepLines(body, "kvbandit_kv_events"))
+			}
+			return
+		}
+		if !sent {
+			// The socket is bound once discovery has the endpoint.
+			if c, err := net.Dial("tcp", kvAddr); err == nil {
+				c.Write([]byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n0123456789012345678901234567890123456789012345678901234567890123"))
+				io.Copy(io.Discard, c) // until kvbandit closes it
+				c.Close()
+				sent = true
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no %s:\n%s", want, grepLines(body, "kvbandit_kv_events"))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}

@@ -24,7 +24,7 @@ type kvFleet struct {
 
 	mu      sync.Mutex
 	subs    map[routing.EndpointKey]*kvSub
-	retired kvevents.Stats // counters of closed subscribers, kept for the totals
+	retired map[string]uint64 // counters of closed subscribers by kind, kept for the totals
 	failed  atomic.Uint64
 }
 
@@ -34,7 +34,7 @@ type kvSub struct {
 }
 
 func newKVFleet(ctx context.Context, engine *routing.Engine, log *slog.Logger) *kvFleet {
-	return &kvFleet{ctx: ctx, engine: engine, log: log, subs: map[routing.EndpointKey]*kvSub{}}
+	return &kvFleet{ctx: ctx, engine: engine, log: log, subs: map[routing.EndpointKey]*kvSub{}, retired: map[string]uint64{}}
 }
 
 func sameEvents(a, b *routing.Endpoint) bool {
@@ -87,17 +87,9 @@ func (f *kvFleet) Follow(set routing.EndpointSet) []error {
 
 func (f *kvFleet) closeLocked(k routing.EndpointKey, s *kvSub) {
 	s.sub.Close()
-	st := s.sub.Stats()
-	r := &f.retired
-	r.Messages += st.Messages
-	r.Blocks += st.Blocks
-	r.Malformed += st.Malformed
-	r.Dropped += st.Dropped
-	r.Gaps += st.Gaps
-	r.Restarts += st.Restarts
-	r.Resyncs += st.Resyncs
-	r.Replays += st.Replays
-	r.UnknownParent += st.UnknownParent
+	for _, c := range counters(s.sub.Stats()) {
+		f.retired[c.kind] += c.n
+	}
 	delete(f.subs, k)
 }
 
@@ -126,7 +118,27 @@ var (
 	kvTrustedDesc    = prometheus.NewDesc("kvbandit_kv_events_trusted", "1 while the endpoint's KV events describe its whole cache; 0 while it is indexed approximately.", []string{"endpoint"}, nil)
 	kvSubscribeDesc  = prometheus.NewDesc("kvbandit_kv_events_subscribe_errors_total", "KV-event subscriptions that failed (bad address, port in use).", nil, nil)
 	kvSubscribedDesc = prometheus.NewDesc("kvbandit_kv_events_subscribers", "Endpoints with a KV-event subscriber.", nil, nil)
+	kvConnsDesc      = prometheus.NewDesc("kvbandit_kv_events_connections", "ZMTP connections open now for the endpoint's KV events (handshaking ones included).", []string{"endpoint"}, nil)
 )
+
+type counter struct {
+	kind string
+	n    uint64
+}
+
+// counters lists a subscriber's counters under their kind label of
+// kvbandit_kv_events_total.
+func counters(st kvevents.Stats) []counter {
+	return []counter{
+		{"messages", st.Messages}, {"blocks", st.Blocks}, {"malformed", st.Malformed}, {"dropped", st.Dropped},
+		{"gaps", st.Gaps}, {"restarts", st.Restarts}, {"resyncs", st.Resyncs}, {"replays", st.Replays},
+		{"unknown_parent", st.UnknownParent},
+		// The ZMTP socket's own refusals: connections over MaxConns, and
+		// connections ended by a failed handshake, a protocol error, a
+		// limit or a silent peer.
+		{"connections_rejected", st.ConnectionsRejected}, {"connection_errors", st.ConnectionErrors},
+	}
+}
 
 // Describe implements prometheus.Collector.
 func (f *kvFleet) Describe(ch chan<- *prometheus.Desc) {
@@ -134,29 +146,27 @@ func (f *kvFleet) Describe(ch chan<- *prometheus.Desc) {
 	ch <- kvTrustedDesc
 	ch <- kvSubscribeDesc
 	ch <- kvSubscribedDesc
+	ch <- kvConnsDesc
 }
 
 // Collect implements prometheus.Collector.
 func (f *kvFleet) Collect(ch chan<- prometheus.Metric) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	emit := func(key string, st kvevents.Stats) {
-		for kind, n := range map[string]uint64{"messages": st.Messages, "blocks": st.Blocks, "malformed": st.Malformed, "dropped": st.Dropped,
-			"gaps": st.Gaps, "restarts": st.Restarts, "resyncs": st.Resyncs, "replays": st.Replays, "unknown_parent": st.UnknownParent} {
-			ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(n), key, kind)
-		}
-	}
-	if f.retired != (kvevents.Stats{}) {
-		emit("", f.retired)
+	for kind, n := range f.retired {
+		ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(n), "", kind)
 	}
 	for k, s := range f.subs {
 		st := s.sub.Stats()
-		emit(string(k), st)
+		for _, c := range counters(st) {
+			ch <- prometheus.MustNewConstMetric(kvEventsDesc, prometheus.CounterValue, float64(c.n), string(k), c.kind)
+		}
 		trusted := 0.0
 		if st.Trusted {
 			trusted = 1
 		}
 		ch <- prometheus.MustNewConstMetric(kvTrustedDesc, prometheus.GaugeValue, trusted, string(k))
+		ch <- prometheus.MustNewConstMetric(kvConnsDesc, prometheus.GaugeValue, float64(st.Connections), string(k))
 	}
 	ch <- prometheus.MustNewConstMetric(kvSubscribeDesc, prometheus.CounterValue, float64(f.failed.Load()))
 	ch <- prometheus.MustNewConstMetric(kvSubscribedDesc, prometheus.GaugeValue, float64(len(f.subs)))
