@@ -7,6 +7,8 @@ UNIT  := $(shell $(GO) list ./... | grep -v '/e2e')
 BIN   := bin/kvbandit
 # Tokenizer fixtures (vendor vocabularies, HF's node tokenizers as the oracle)
 # are downloaded, never committed.
+# Time per fuzz target for make fuzz.
+FUZZTIME ?= 20s
 FIXTURES ?= $(or $(KVBANDIT_FIXTURES),$(HOME)/.cache/kvbandit/fixtures)
 export KVBANDIT_FIXTURES := $(FIXTURES)
 
@@ -29,7 +31,10 @@ demo: ## one command, no external services: 4 simulated workers, serve + proxy, 
 	$(GO) run ./cmd/kvbandit demo
 
 .PHONY: test
-test: vet unit e2e bench-smoke ## every suite: vet, unit (race), e2e (race), each benchmark once
+# make test fuzzes every target for TEST_FUZZTIME (make fuzz: FUZZTIME).
+TEST_FUZZTIME ?= 10s
+test: FUZZTIME = $(TEST_FUZZTIME)
+test: vet unit e2e bench-smoke fuzz ## every suite: vet, unit (race), e2e (race), each benchmark once, every fuzz target for TEST_FUZZTIME (10s)
 
 .PHONY: vet
 vet: ## go vet (also the hftokenizers build of the native tokenizer backend)
@@ -75,8 +80,8 @@ fuzz: ## run every Fuzz target in the tree for FUZZTIME each (default 20s); a cr
 	@set -e; pkgs=$$(grep -rl --include='*_test.go' '^func Fuzz' . | xargs -n1 dirname | sort -u); \
 	for pkg in $$pkgs; do \
 	  for f in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
-	    echo "== $$pkg $$f ($${FUZZTIME:-20s})"; \
-	    $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $${FUZZTIME:-20s} $$pkg || { echo "fuzz: $$pkg $$f failed; the failing input is in $$pkg/testdata/fuzz/$$f/ (commit it as a regression)"; exit 1; }; \
+	    echo "== $$pkg $$f ($(FUZZTIME))"; \
+	    $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) $$pkg || { echo "fuzz: $$pkg $$f failed; the failing input is in $$pkg/testdata/fuzz/$$f/ (commit it as a regression)"; exit 1; }; \
 	  done; \
 	done
 
