@@ -231,6 +231,7 @@ func TestSpoofedDestinationIsOverwritten(t *testing.T) {
 		"x-gateway-destination-endpoint":        "10.1.2.3:80",
 		"X-Gateway-Destination-Endpoint-Served": addrs[1],
 		"x-gateway-destination-endpoint-subset": addrs[1],
+		"X-Prefiller-Host-Port":                 "10.9.9.9:80",
 	}
 	for i := range 4 {
 		for _, r := range []response{
@@ -251,7 +252,7 @@ func TestSpoofedDestinationIsOverwritten(t *testing.T) {
 			if got := r.Header.Values("x-gateway-destination-endpoint"); !slices.Equal(got, []string{w.Addr()}) {
 				t.Errorf("%s %s: the worker saw x-gateway-destination-endpoint %q, want only %q", r.Method, r.Path, got, w.Addr())
 			}
-			for _, h := range []string{"x-gateway-destination-endpoint-served", "x-gateway-destination-endpoint-subset"} {
+			for _, h := range []string{"x-gateway-destination-endpoint-served", "x-gateway-destination-endpoint-subset", "x-prefiller-host-port"} {
 				if got := r.Header.Values(h); len(got) != 0 {
 					t.Errorf("%s %s: the client's %s reached the worker: %q", r.Method, r.Path, h, got)
 				}

@@ -1,6 +1,7 @@
 package extproc_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -200,4 +201,45 @@ func TestMemoryBudgetHostileStreams(t *testing.T) {
 func recvOrNil(s extprocv3.ExternalProcessor_ProcessClient) *extprocv3.ProcessingResponse {
 	r, _ := s.Recv()
 	return r
+}
+
+// TestMemoryBudgetLongTenants: 200 streams send request headers whose
+// tenant header (--tenant-header) is 256 KiB and one byte of body, then
+// wait, as a hostile ext_proc client (or a data plane with raised header
+// limits) can until --decision-timeout. The value is bounded (hashed) when
+// the headers are read, so the open streams grow the heap by less than
+// 16 MiB; the code before kept every value whole until the decision (50 MiB
+// more here).
+func TestMemoryBudgetLongTenants(t *testing.T) {
+	const streams, tenantBytes, boundMB = 200, 256 << 10, 16
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	h := newHarness(t, extproc.Config{ResponseProcessing: true, TenantHeader: "x-tenant", MaxBodyBytes: 1 << 20, DecisionTimeout: 5 * time.Minute, StreamHeaderTimeout: 5 * time.Minute}, nil,
+		grpc.WithDefaultCallOptions(grpc.MaxRetryRPCBufferSize(1)))
+	metric := func(name string) float64 { return metricValue(t, h.reg, name, nil) }
+	base := heapAlloc()
+	parallel(t, streams, func(i int) error {
+		// A distinct value per stream, a fresh allocation as on the wire.
+		tenant := fmt.Appendf(nil, "%06d", i)
+		tenant = append(tenant, strings.Repeat("t", tenantBytes)...)
+		m := reqHeaders("/v1/chat/completions", false, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED)
+		m.GetRequestHeaders().GetHeaders().Headers = append(m.GetRequestHeaders().GetHeaders().GetHeaders(), &corev3.HeaderValue{Key: "x-tenant", RawValue: tenant})
+		s, err := h.client.Process(ctx)
+		if err != nil {
+			return err
+		}
+		if err := s.Send(m); err != nil {
+			return err
+		}
+		return s.Send(reqBody("{", false))
+	})
+	// Every stream's headers and first byte have been read.
+	eventually(t, func() bool { return metric("kvbandit_buffered_body_bytes") == streams }, "first bytes not all buffered")
+	grown := int64(heapAlloc()) - int64(base)
+	t.Logf("%d streams waiting with %d KiB tenant values: heap %+.1f MiB", streams, tenantBytes>>10, float64(grown)/(1<<20))
+	if grown > boundMB<<20 {
+		t.Errorf("heap grew by %d MiB, want < %d MiB", grown>>20, boundMB)
+	}
+	cancel()
+	eventually(t, func() bool { return metric("kvbandit_extproc_streams_inflight") == 0 }, "streams still open after cancel")
 }

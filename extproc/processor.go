@@ -18,6 +18,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc/openai"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
 // EPP protocol names.
@@ -38,10 +39,22 @@ const (
 	// Inference Extension's body-based router writes it). It is read only
 	// when the body mode hides the body (NONE, STREAMED).
 	HeaderModel = "x-gateway-model-name"
+	// HeaderPrefiller names the prefill worker for llm-d's P/D sidecar on
+	// the decode worker; only a picker may set it (a client's value would
+	// make the sidecar send the prompt to any host:port).
+	HeaderPrefiller = "x-prefiller-host-port"
 	// destinationPrefix covers every client header that could pose as a
 	// data plane or picker header.
 	destinationPrefix = "x-gateway-destination-endpoint"
 )
+
+// Steering reports whether a request header could steer the data plane or
+// a worker's sidecar (x-gateway-destination-endpoint*, the data-parallel
+// rank, the prefiller). Only a picker sets these: a client's are removed
+// from every request, on the ext_proc path and by the proxy.
+func Steering(name string) bool {
+	return hasPrefixFold(name, destinationPrefix) || strings.EqualFold(name, HeaderDPRank) || strings.EqualFold(name, HeaderPrefiller)
+}
 
 // Bounds on what a stream keeps from its request headers, whatever the
 // data plane lets through (Envoy's own default bounds headers to 60 KiB,
@@ -531,7 +544,10 @@ func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) error {
 		case k == "x-request-id":
 			p.requestID = headerPrefix(h, MaxRequestIDBytes)
 		case tenant != "" && strings.EqualFold(k, tenant):
-			p.tenant = headerValue(h)
+			// Bounded at once (a long value becomes its hash), so a
+			// stream never holds a client's long header until its
+			// decision; the proxy does the same.
+			p.tenant = prefixstate.BoundID(headerValue(h))
 		case strings.HasPrefix(k, "x-prefix-") || k == hints.HeaderPriority:
 			i := hintIndex(k)
 			if i < 0 || p.hintSet&(1<<i) != 0 {
@@ -547,7 +563,7 @@ func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) error {
 			if p.model == "" && headerLen(h) <= MaxModelHeaderBytes {
 				p.model = strings.TrimSpace(headerValue(h))
 			}
-		case hasPrefixFold(k, destinationPrefix) || strings.EqualFold(k, HeaderDPRank):
+		case Steering(k):
 			if slices.Contains(p.spoofed, k) {
 				continue
 			}

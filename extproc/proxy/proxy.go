@@ -23,6 +23,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc/openai"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
 // HeaderEndpoint is the response header naming the endpoint ("ip:port")
@@ -477,7 +478,8 @@ func (p *Proxy) readBody(w http.ResponseWriter, r *http.Request, deadline time.T
 func (p *Proxy) build(ctx context.Context, r *http.Request, target string, kind openai.Kind, body []byte) (routing.Request, error) {
 	req := routing.Request{ID: r.Header.Get("X-Request-Id"), Path: target, Arrival: p.clk.Now()}
 	if p.cfg.TenantHeader != "" {
-		req.Tenant = r.Header.Get(p.cfg.TenantHeader)
+		// Bounded as the ext_proc side does (prefixstate.BoundID).
+		req.Tenant = prefixstate.BoundID(r.Header.Get(p.cfg.TenantHeader))
 	}
 	header := func(name string) (string, bool) {
 		v := r.Header.Values(name)
@@ -790,7 +792,8 @@ func hop(k string, connection []string) bool {
 
 // outboundHeader copies the client's request headers for the worker
 // without hop-by-hop headers and without headers that could pose as the
-// gateway's (x-gateway-destination-endpoint*, x-data-parallel-rank) or as
+// gateway's (extproc.Steering: x-gateway-destination-endpoint*,
+// x-data-parallel-rank, x-prefiller-host-port) or as
 // kvbandit's own; it appends the client to X-Forwarded-For and keeps
 // "TE: trailers" (gRPC-style clients need it end to end).
 func outboundHeader(r *http.Request) http.Header {
@@ -798,7 +801,7 @@ func outboundHeader(r *http.Request) http.Header {
 	out := make(http.Header, len(r.Header)+3)
 	for k, vv := range r.Header {
 		lk := strings.ToLower(k)
-		if hop(k, conn) || strings.HasPrefix(lk, "x-gateway-destination-endpoint") || lk == extproc.HeaderDPRank || strings.HasPrefix(lk, "x-kvbandit-") {
+		if hop(k, conn) || extproc.Steering(k) || strings.HasPrefix(lk, "x-kvbandit-") {
 			continue
 		}
 		out[k] = vv

@@ -590,11 +590,11 @@ func TestProxySpoofedHeaders(t *testing.T) {
 	other := f.workers[0].Addr()
 	resp, _ := f.post(t, "/v1/chat/completions", chatBody("test-model", "hi", ""),
 		"x-gateway-destination-endpoint", other, "x-gateway-destination-endpoint-served", other,
-		"x-data-parallel-rank", "3", "Connection", "x-drop-me", "x-drop-me", "1", "x-keep", "yes")
+		"x-data-parallel-rank", "3", "X-Prefiller-Host-Port", "10.9.9.9:80", "Connection", "x-drop-me", "x-drop-me", "1", "x-keep", "yes")
 	ep := resp.Header.Get(proxy.HeaderEndpoint)
 	rq := f.worker(t, ep).Requests()[0]
 	if rq.Header.Get("x-gateway-destination-endpoint") != ep || rq.Header.Get("x-gateway-destination-endpoint-served") != "" ||
-		rq.Header.Get("x-data-parallel-rank") != "" || rq.Header.Get("x-drop-me") != "" || rq.Header.Get("x-keep") != "yes" {
+		rq.Header.Get("x-data-parallel-rank") != "" || rq.Header.Get("x-prefiller-host-port") != "" || rq.Header.Get("x-drop-me") != "" || rq.Header.Get("x-keep") != "yes" {
 		t.Errorf("worker headers %v", rq.Header)
 	}
 	if rq.Header.Get("X-Forwarded-For") != "127.0.0.1" {

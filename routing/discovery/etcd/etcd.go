@@ -56,6 +56,10 @@ const (
 	DefaultPrefix          = "/kvbandit/v1"
 	DefaultPool            = "default"
 	DefaultDialTimeoutSecs = 5.0
+	// DefaultMaxListBytes bounds one response from etcd (the pool's list,
+	// a watch batch): 16,384 endpoints (routing.MaxEndpoints) of 4 KiB
+	// records. etcd's client would accept up to 2 GiB.
+	DefaultMaxListBytes = 64 << 20
 )
 
 // Backoff between reconnection attempts, and the probe that notices a dead
@@ -105,6 +109,10 @@ type Config struct {
 	Password string `json:"password"`
 	// TLS configures client TLS.
 	TLS TLSConfig `json:"tls"`
+	// MaxListBytes bounds one response from etcd (default 64 MiB); a
+	// larger list fails (the source stays degraded on its last good set)
+	// instead of being received whole.
+	MaxListBytes int `json:"max_list_bytes"`
 }
 
 // Defaults fills unset fields.
@@ -122,6 +130,9 @@ func (c *Config) Defaults() {
 	if c.DialTimeoutSecs == 0 {
 		c.DialTimeoutSecs = DefaultDialTimeoutSecs
 	}
+	if c.MaxListBytes == 0 {
+		c.MaxListBytes = DefaultMaxListBytes
+	}
 }
 
 // Validate checks a defaulted config; errors name the bad field.
@@ -137,6 +148,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("etcd: pool %q must be a non-empty name without /", c.Pool)
 	case c.DialTimeoutSecs <= 0 || math.IsNaN(c.DialTimeoutSecs) || math.IsInf(c.DialTimeoutSecs, 0):
 		return fmt.Errorf("etcd: dial_timeout_secs %v must be positive", c.DialTimeoutSecs)
+	case c.MaxListBytes <= 0:
+		return fmt.Errorf("etcd: max_list_bytes %d must be positive", c.MaxListBytes)
 	case c.Password != "" && c.Username == "":
 		return errors.New("etcd: password set without username")
 	case (c.TLS.Cert == "") != (c.TLS.Key == ""):
@@ -164,6 +177,7 @@ func newClient(cfg Config) (*clientv3.Client, error) {
 		DialKeepAliveTime:    keepAliveTime,
 		DialKeepAliveTimeout: keepAliveTimeout,
 		PermitWithoutStream:  true,
+		MaxCallRecvMsgSize:   cfg.MaxListBytes,
 		Username:             cfg.Username,
 		Password:             cfg.Password,
 		Logger:               zap.NewNop(),

@@ -662,3 +662,38 @@ func TestEtcdNewRegistrarRejectsBadRecords(t *testing.T) {
 		t.Errorf("error %v does not wrap the record error", err)
 	}
 }
+
+// TestEtcdListOverLimit: a pool whose list is larger than MaxListBytes is
+// refused by the client instead of being received whole: the source is
+// degraded and publishes nothing, and recovers when the list shrinks.
+func TestEtcdListOverLimit(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	cfg := testConfig(srv)
+	cfg.MaxListBytes = 256 << 10
+	pfx := cfg.EndpointsPrefix()
+	put(t, cli, pfx+"a", rec("10.0.0.1:8000"))
+	// Junk under the prefix: 3 values of 100 KiB make a 300 KiB list.
+	junk := strings.Repeat("x", 100<<10)
+	for i := range 3 {
+		put(t, cli, fmt.Sprintf("%sjunk-%d", pfx, i), junk)
+	}
+	sink := newFakeSink()
+	startSource(t, newSource(t, cfg), sink)
+	waitFor(t, 20*time.Second, "degraded by the oversized list", func() bool {
+		err, _ := sink.degradedState()
+		return err != nil && strings.Contains(err.Error(), "larger than max")
+	})
+	if _, n := sink.last(); n != 0 {
+		t.Errorf("published %d sets from an oversized list", n)
+	}
+	for i := range 3 {
+		if _, err := cli.Delete(t.Context(), fmt.Sprintf("%sjunk-%d", pfx, i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, 20*time.Second, "first set after the list shrank", func() bool { return len(sink.lastAddrs()) == 1 })
+	if err, _ := sink.degradedState(); err != nil {
+		t.Errorf("still degraded: %v", err)
+	}
+}
