@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
@@ -22,6 +23,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/discovery"
 )
 
@@ -47,7 +49,23 @@ type Config struct {
 	// Cluster is the EDS service name (the ClusterLoadAssignment's
 	// cluster_name); empty means [DefaultCluster].
 	Cluster string
+	// AckTimeout bounds how long a stream may leave a response unanswered
+	// (neither ACK nor NACK): past it the stream is closed
+	// (DEADLINE_EXCEEDED; Envoy reconnects and is sent the current
+	// version), so that a client that never answers cannot hold new
+	// endpoints back for ever. Envoy answers within milliseconds. 0 means
+	// [DefaultAckTimeout].
+	AckTimeout time.Duration
+	// MaxStreams bounds the open streams (RESOURCE_EXHAUSTED beyond); 0
+	// means [DefaultMaxStreams].
+	MaxStreams int
 }
+
+// Defaults of [Config].
+const (
+	DefaultAckTimeout = 30 * time.Second
+	DefaultMaxStreams = 256
+)
 
 // Deps are the server's collaborators.
 type Deps struct {
@@ -58,13 +76,18 @@ type Deps struct {
 	// Refresh. It is never called with the server's locks held, and is
 	// called from stream goroutines, possibly concurrently.
 	OnChange func()
+	// Clock times the ACK deadline; nil is the real clock.
+	Clock clock.Clock
 }
 
 // Server is the EDS server and the [discovery.Gate]. Make one with [New].
 type Server struct {
-	cluster  string
-	log      *slog.Logger
-	onChange func()
+	cluster    string
+	log        *slog.Logger
+	onChange   func()
+	clk        clock.Clock
+	ackTimeout time.Duration
+	maxStreams int
 
 	// gate is what Pickable reads; replaced whole under mu.
 	gate atomic.Pointer[gate]
@@ -125,6 +148,10 @@ type stream struct {
 	// resources (an empty list then unsubscribes instead of meaning
 	// wildcard).
 	subscribed, explicit bool
+	// waiting is when the stream last had no unanswered response (or
+	// last answered one): AckTimeout counts from it while sent or floor
+	// is not empty.
+	waiting time.Time
 	// sent maps the nonces of responses not answered yet to what they
 	// carried.
 	sent map[uint64]*assignment
@@ -144,13 +171,20 @@ func New(cfg Config, deps Deps) *Server {
 	if cfg.Cluster == "" {
 		cfg.Cluster = DefaultCluster
 	}
+	if cfg.AckTimeout <= 0 {
+		cfg.AckTimeout = DefaultAckTimeout
+	}
+	if cfg.MaxStreams <= 0 {
+		cfg.MaxStreams = DefaultMaxStreams
+	}
 	if deps.Logger == nil {
 		deps.Logger = slog.New(slog.DiscardHandler)
 	}
 	if deps.OnChange == nil {
 		deps.OnChange = func() {}
 	}
-	s := &Server{cluster: cfg.Cluster, log: deps.Logger, onChange: deps.OnChange,
+	s := &Server{cluster: cfg.Cluster, log: deps.Logger, onChange: deps.OnChange, clk: clock.Or(deps.Clock),
+		ackTimeout: cfg.AckTimeout, maxStreams: cfg.MaxStreams,
 		done: make(chan struct{}), streams: map[uint64]*stream{}}
 	s.gate.Store(&gate{open: true})
 	return s
@@ -358,6 +392,9 @@ func (s *Server) open(api string) (*stream, error) {
 	if s.closed {
 		return nil, status.Error(codes.Unavailable, "kvbandit EDS server is shutting down")
 	}
+	if len(s.streams) >= s.maxStreams {
+		return nil, status.Errorf(codes.ResourceExhausted, "kvbandit EDS server: %d streams open already", len(s.streams))
+	}
 	s.nextID++
 	st := &stream{id: s.nextID, api: api, wake: make(chan struct{}, 1), sent: map[uint64]*assignment{}}
 	s.streams[st.id] = st
@@ -384,6 +421,20 @@ func (s *Server) serve(ss grpc.BidiStreamingServer[discoveryv3.DiscoveryRequest,
 	}
 	defer func() { s.end(st, err) }()
 	ctx := ss.Context()
+	// check ticks every quarter of the ACK timeout, to close a stream that
+	// leaves a response unanswered for longer.
+	check := make(chan struct{}, 1)
+	var timer clock.Timer
+	arm := func() {
+		timer = s.clk.AfterFunc(s.ackTimeout/4, func() {
+			select {
+			case check <- struct{}{}:
+			default:
+			}
+		})
+	}
+	arm()
+	defer func() { timer.Stop() }()
 	reqs := make(chan *discoveryv3.DiscoveryRequest)
 	recvErr := make(chan error, 1)
 	go func() {
@@ -416,6 +467,11 @@ func (s *Server) serve(ss grpc.BidiStreamingServer[discoveryv3.DiscoveryRequest,
 			if resp, err = s.handle(st, req); err != nil {
 				return err
 			}
+		case <-check:
+			if s.overdue(st) {
+				return status.Errorf(codes.DeadlineExceeded, "kvbandit EDS server: no ACK or NACK within %v", s.ackTimeout)
+			}
+			arm()
 		case <-st.wake:
 			var changed bool
 			if resp, changed = s.pending(st); changed {
@@ -458,6 +514,7 @@ func (s *Server) handle(st *stream, req *discoveryv3.DiscoveryRequest) (*discove
 			// Envoy answers in order: the forgotten responses, older than
 			// any remembered one, are answered too.
 			st.floor = nil
+			st.waiting = s.clk.Now()
 			changed = true // the answered versions leave the gate
 			if d := req.GetErrorDetail(); d != nil {
 				st.nacks++
@@ -509,6 +566,14 @@ type nackInfo struct {
 	msg            string
 }
 
+// overdue reports whether the stream has left a response unanswered for
+// longer than the ACK timeout.
+func (s *Server) overdue(st *stream) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return (len(st.sent) > 0 || st.floor != nil) && s.clk.Now().Sub(st.waiting) > s.ackTimeout
+}
+
 // pending returns the response a woken stream owes, if any, and whether
 // sending it changed the gate (a stream's first response makes it count).
 func (s *Server) pending(st *stream) (*discoveryv3.DiscoveryResponse, bool) {
@@ -524,6 +589,9 @@ func (s *Server) pending(st *stream) (*discoveryv3.DiscoveryResponse, bool) {
 // responseLocked makes the response carrying the current version and
 // remembers its nonce; the caller recomputes the gate. s.mu must be held.
 func (s *Server) responseLocked(st *stream) *discoveryv3.DiscoveryResponse {
+	if len(st.sent) == 0 && st.floor == nil {
+		st.waiting = s.clk.Now()
+	}
 	s.nonce++
 	if len(st.sent) >= maxUnanswered {
 		oldest := slices.Min(slices.Collect(maps.Keys(st.sent)))

@@ -2,9 +2,11 @@ package eds_test
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"sync"
 	"testing"
+	"time"
 
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -569,5 +571,49 @@ func TestForgottenResponsesStillHoldBack(t *testing.T) {
 	eventually(t, "the last version is ACKed", func() bool { return len(pickable(f.srv, b)) == 1 })
 	if got := pickable(f.srv, a, b, c); !equal(got, []string{a, b}) {
 		t.Errorf("after the ACK of the last version: pickable %v, want [%s %s]", got, a, b)
+	}
+}
+
+// TestSilentClientIsClosedAfterAckTimeout: a client that subscribes and
+// never answers a response would hold a new endpoint back for ever (the
+// gate waits for every stream that may route with the version); past
+// AckTimeout the stream is closed and the endpoint becomes pickable.
+func TestSilentClientIsClosedAfterAckTimeout(t *testing.T) {
+	f := start(t, eds.Config{AckTimeout: 400 * time.Millisecond}, nil)
+	f.srv.Offer(eps(a, b), nil)
+	good := f.connect(t, "envoy-1", false, eds.DefaultCluster)
+	good.ack(good.recv())
+	silent := f.connect(t, "hostile", false, eds.DefaultCluster)
+	silent.recv() // and never answers
+	f.srv.Offer(eps(a, b, c), nil)
+	good.ack(good.recv())
+	if got := pickable(f.srv, a, b, c); !equal(got, []string{a, b}) {
+		t.Fatalf("with a silent stream holding version 1: pickable %v, want [%s %s]", got, a, b)
+	}
+	var err error
+	for err == nil { // it is sent version 2 too, and answers nothing
+		_, err = silent.stream.Recv()
+	}
+	if status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("silent stream ended with %v, want DeadlineExceeded", err)
+	}
+	eventually(t, "c pickable after the silent stream was closed", func() bool { return equal(pickable(f.srv, a, b, c), []string{a, b, c}) })
+	// The answering client is not affected.
+	f.srv.Offer(eps(a, c), nil)
+	good.ack(good.recv())
+	ackedBy(t, f.srv, "envoy-1", 3)
+}
+
+// TestMaxStreams: streams over MaxStreams are refused.
+func TestMaxStreams(t *testing.T) {
+	f := start(t, eds.Config{MaxStreams: 2}, nil)
+	f.srv.Offer(eps(a), nil)
+	for i := range 2 {
+		cl := f.connect(t, fmt.Sprintf("envoy-%d", i), false, eds.DefaultCluster)
+		cl.ack(cl.recv())
+	}
+	third := f.connect(t, "envoy-3", false, eds.DefaultCluster)
+	if _, err := third.stream.Recv(); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("third stream: %v, want ResourceExhausted", err)
 	}
 }
