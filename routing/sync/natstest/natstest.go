@@ -383,7 +383,7 @@ func readPorts(dir string, pid int) (int, error) {
 		return 0, nil // being written
 	}
 	if len(pi.Monitoring)+len(pi.Cluster)+len(pi.Profile)+len(pi.WebSocket) > 0 || len(pi.Nats) != 1 {
-		return 0, fmt.Errorf("nats-server listens on more than one client port: %s", data)
+		return 0, fmt.Errorf("nats-server listens on more than its one client port: %s", data)
 	}
 	u := pi.Nats[0]
 	_, hostport, ok := strings.Cut(u, "://")
