@@ -14,6 +14,7 @@ declare -A pkg=(
   [kube-apiserver]=k8s.io/kubernetes/cmd/kube-apiserver
   [helm]=helm.sh/helm/v3/cmd/helm
   [epp]=sigs.k8s.io/gateway-api-inference-extension/cmd/epp
+  [nats-server]=github.com/nats-io/nats-server/v2
 )
 for name in "$@"; do
   dir="$here/$name"
