@@ -82,9 +82,10 @@ type reader struct {
 	arena []uint64
 }
 
-func (r *reader) fail(sentinel error, format string, args ...any) {
+// fail records the first error, about the field that starts at byte at.
+func (r *reader) fail(at int, sentinel error, format string, args ...any) {
 	if r.err == nil {
-		r.err = fmt.Errorf("%w: %s at byte %d", sentinel, fmt.Sprintf(format, args...), r.off)
+		r.err = fmt.Errorf("%w: %s at byte %d", sentinel, fmt.Sprintf(format, args...), at)
 	}
 }
 
@@ -95,7 +96,7 @@ func (r *reader) byte1(what string) byte {
 		return 0
 	}
 	if r.left() < 1 {
-		r.fail(ErrMalformed, "truncated %s", what)
+		r.fail(r.off, ErrMalformed, "truncated %s", what)
 		return 0
 	}
 	c := r.b[r.off]
@@ -108,7 +109,7 @@ func (r *reader) u64le(what string) uint64 {
 		return 0
 	}
 	if r.left() < 8 {
-		r.fail(ErrMalformed, "truncated %s", what)
+		r.fail(r.off, ErrMalformed, "truncated %s", what)
 		return 0
 	}
 	v := binary.LittleEndian.Uint64(r.b[r.off:])
@@ -122,7 +123,7 @@ func (r *reader) uvarint(what string) uint64 {
 	}
 	v, n := binary.Uvarint(r.b[r.off:])
 	if n <= 0 {
-		r.fail(ErrMalformed, "truncated or overflowing varint (%s)", what)
+		r.fail(r.off, ErrMalformed, "truncated or overflowing varint (%s)", what)
 		return 0
 	}
 	r.off += n
@@ -135,7 +136,7 @@ func (r *reader) varint(what string) int64 {
 	}
 	v, n := binary.Varint(r.b[r.off:])
 	if n <= 0 {
-		r.fail(ErrMalformed, "truncated or overflowing varint (%s)", what)
+		r.fail(r.off, ErrMalformed, "truncated or overflowing varint (%s)", what)
 		return 0
 	}
 	r.off += n
@@ -143,27 +144,30 @@ func (r *reader) varint(what string) int64 {
 }
 
 func (r *reader) u32(what string) uint32 {
+	at := r.off
 	v := r.uvarint(what)
 	if v > math.MaxUint32 {
-		r.fail(ErrMalformed, "%s %d out of range", what, v)
+		r.fail(at, ErrMalformed, "%s %d out of range", what, v)
 		return 0
 	}
 	return uint32(v)
 }
 
 func (r *reader) u16(what string) uint16 {
+	at := r.off
 	v := r.uvarint(what)
 	if v > math.MaxUint16 {
-		r.fail(ErrMalformed, "%s %d out of range", what, v)
+		r.fail(at, ErrMalformed, "%s %d out of range", what, v)
 		return 0
 	}
 	return uint16(v)
 }
 
 func (r *reader) i32(what string) int32 {
+	at := r.off
 	v := r.varint(what)
 	if v < math.MinInt32 || v > math.MaxInt32 {
-		r.fail(ErrMalformed, "%s %d out of range", what, v)
+		r.fail(at, ErrMalformed, "%s %d out of range", what, v)
 		return 0
 	}
 	return int32(v)
@@ -172,16 +176,17 @@ func (r *reader) i32(what string) int32 {
 // count reads a count of things at least minEach bytes long, checked
 // against limit and against the bytes left.
 func (r *reader) count(what string, limit, minEach int) int {
+	at := r.off
 	v := r.uvarint(what)
 	if r.err != nil {
 		return 0
 	}
 	if v > uint64(limit) {
-		r.fail(ErrTooLarge, "%s: %d, limit %d", what, v, limit)
+		r.fail(at, ErrTooLarge, "%s: %d, limit %d", what, v, limit)
 		return 0
 	}
 	if int(v) > r.left()/minEach {
-		r.fail(ErrMalformed, "%s: %d need at least %d bytes, %d left", what, v, int(v)*minEach, r.left())
+		r.fail(at, ErrMalformed, "%s: %d need at least %d bytes, %d left", what, v, int(v)*minEach, r.left())
 		return 0
 	}
 	return int(v)
@@ -190,16 +195,17 @@ func (r *reader) count(what string, limit, minEach int) int {
 // bytes reads a length-prefixed byte string and returns it as a window of
 // the input (not to be kept).
 func (r *reader) bytes(what string, limit int) []byte {
+	at := r.off
 	v := r.uvarint(what)
 	if r.err != nil {
 		return nil
 	}
 	if v > uint64(limit) {
-		r.fail(ErrTooLarge, "%s: %d bytes, limit %d", what, v, limit)
+		r.fail(at, ErrTooLarge, "%s: %d bytes, limit %d", what, v, limit)
 		return nil
 	}
 	if int(v) > r.left() {
-		r.fail(ErrMalformed, "%s: %d bytes, %d left", what, v, r.left())
+		r.fail(at, ErrMalformed, "%s: %d bytes, %d left", what, v, r.left())
 		return nil
 	}
 	b := r.b[r.off : r.off+int(v) : r.off+int(v)]
@@ -241,11 +247,11 @@ func (r *reader) interned(what string) string {
 
 func (r *reader) message(m *Message) {
 	if len(r.b) == 0 {
-		r.fail(ErrMalformed, "empty message")
+		r.fail(r.off, ErrMalformed, "empty message")
 		return
 	}
 	if v := r.byte1("version"); v != Version {
-		r.fail(ErrVersion, "version %d, want %d", v, Version)
+		r.fail(0, ErrVersion, "version %d, want %d", v, Version)
 		return
 	}
 	m.Kind = Kind(r.byte1("kind"))
@@ -267,11 +273,11 @@ func (r *reader) message(m *Message) {
 	case KindKVEvents:
 		r.kvEvents(&m.KVEvents)
 	default:
-		r.fail(ErrMalformed, "unknown message kind %d", m.Kind)
+		r.fail(1, ErrMalformed, "unknown message kind %d", m.Kind)
 		return
 	}
 	if r.err == nil && r.left() > 0 {
-		r.fail(ErrMalformed, "%d trailing bytes", r.left())
+		r.fail(r.off, ErrMalformed, "%d trailing bytes", r.left())
 	}
 }
 
@@ -289,6 +295,7 @@ func (r *reader) batch(m *Message) {
 		if r.fill {
 			it = &m.Batch[i]
 		}
+		at := r.off
 		it.Kind = ItemKind(r.byte1("item kind"))
 		switch it.Kind {
 		case ItemStart:
@@ -298,7 +305,7 @@ func (r *reader) batch(m *Message) {
 		case ItemOutcome:
 			r.outcome(&it.Outcome)
 		default:
-			r.fail(ErrMalformed, "batch item %d has unknown kind %d", i, it.Kind)
+			r.fail(at, ErrMalformed, "batch item %d has unknown kind %d", i, it.Kind)
 		}
 	}
 }
@@ -326,9 +333,10 @@ func (r *reader) start(s *Start) {
 	s.Endpoint = r.interned("endpoint")
 	s.DPRank = r.i32("dp rank")
 	s.BlockSize = r.u32("block size")
+	at := r.off
 	n := r.count("start blocks", MaxBlocks, 8)
 	if r.err == nil && r.blocks+n > MaxTotalBlocks {
-		r.fail(ErrTooLarge, "blocks in the message: over %d", MaxTotalBlocks)
+		r.fail(at, ErrTooLarge, "blocks in the message: over %d", MaxTotalBlocks)
 	}
 	if r.err != nil {
 		return
@@ -351,9 +359,10 @@ func (r *reader) start(s *Start) {
 	s.Tenant = r.interned("tenant")
 	s.Model = r.interned("model")
 	s.TTL = r.u32("ttl")
+	at = r.off
 	flags := r.byte1("start flags")
 	if flags&^flagPrefilled != 0 {
-		r.fail(ErrMalformed, "unknown start flags %#x", flags)
+		r.fail(at, ErrMalformed, "unknown start flags %#x", flags)
 	}
 	s.Prefilled = flags&flagPrefilled != 0
 }
