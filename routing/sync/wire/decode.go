@@ -20,8 +20,10 @@ const (
 const maxInterned = 1024
 
 // Decoder decodes messages like [Decode] and interns the strings that
-// repeat from one message to the next (endpoints, tenants, models), so
-// that decoding them allocates once. Its zero value is ready to use. A
+// repeat from one message to the next (pools, replica ids, endpoints,
+// tenants, models; not prefix ids, which are per session), so that
+// decoding them allocates once. It keeps at most 1024 strings (512 KiB)
+// and starts over when full. Its zero value is ready to use. A
 // Decoder is not safe for concurrent use. The messages it returns share
 // no memory with the input, with each other or with the Decoder, except
 // interned strings (immutable).
@@ -222,10 +224,11 @@ func (r *reader) str(what string, limit int) string {
 	return string(b)
 }
 
-// interned reads a string that repeats across messages (an endpoint, a
-// tenant, a model) and interns it when the reader has a Decoder.
-func (r *reader) interned(what string) string {
-	b := r.bytes(what, MaxStringLen)
+// interned reads a string of at most limit bytes that repeats across
+// messages (a pool, a replica, an endpoint, a tenant, a model) and
+// interns it when the reader has a Decoder.
+func (r *reader) interned(what string, limit int) string {
+	b := r.bytes(what, limit)
 	if !r.fill || len(b) == 0 {
 		return ""
 	}
@@ -255,8 +258,8 @@ func (r *reader) message(m *Message) {
 		return
 	}
 	m.Kind = Kind(r.byte1("kind"))
-	m.Pool = r.str("pool", MaxIDLen)
-	m.Replica = r.str("replica", MaxIDLen)
+	m.Pool = r.interned("pool", MaxIDLen)
+	m.Replica = r.interned("replica", MaxIDLen)
 	m.Epoch = r.u64le("epoch")
 	m.Seq = r.uvarint("seq")
 	if r.err != nil {
@@ -330,7 +333,7 @@ func (r *reader) snapshot(m *Message) {
 
 func (r *reader) start(s *Start) {
 	s.ID = r.uvarint("start id")
-	s.Endpoint = r.interned("endpoint")
+	s.Endpoint = r.interned("endpoint", MaxStringLen)
 	s.DPRank = r.i32("dp rank")
 	s.BlockSize = r.u32("block size")
 	at := r.off
@@ -356,8 +359,8 @@ func (r *reader) start(s *Start) {
 	s.Overlap = r.u32("overlap")
 	s.ExpectedDecodeBlocks = r.u32("expected decode blocks")
 	s.PrefixID = r.str("prefix id", MaxStringLen)
-	s.Tenant = r.interned("tenant")
-	s.Model = r.interned("model")
+	s.Tenant = r.interned("tenant", MaxStringLen)
+	s.Model = r.interned("model", MaxStringLen)
 	s.TTL = r.u32("ttl")
 	at = r.off
 	flags := r.byte1("start flags")
@@ -369,7 +372,7 @@ func (r *reader) start(s *Start) {
 
 func (r *reader) outcome(o *Outcome) {
 	o.ID = r.uvarint("outcome id")
-	o.Endpoint = r.interned("endpoint")
+	o.Endpoint = r.interned("endpoint", MaxStringLen)
 	o.DPRank = r.i32("dp rank")
 	o.Kind = r.byte1("outcome kind")
 	o.Status = r.u16("status")
@@ -379,12 +382,12 @@ func (r *reader) outcome(o *Outcome) {
 	o.CompletionTokens = r.i32("completion tokens")
 	o.CachedTokens = r.i32("cached tokens")
 	o.PrefixID = r.str("prefix id", MaxStringLen)
-	o.Tenant = r.interned("tenant")
-	o.Model = r.interned("model")
+	o.Tenant = r.interned("tenant", MaxStringLen)
+	o.Model = r.interned("model", MaxStringLen)
 }
 
 func (r *reader) kvEvents(e *KVEvents) {
-	e.Endpoint = r.interned("endpoint")
+	e.Endpoint = r.interned("endpoint", MaxStringLen)
 	p := r.bytes("kv-event payload", MaxPayload)
 	if r.fill && len(p) > 0 {
 		e.Payload = append([]byte(nil), p...)

@@ -197,7 +197,7 @@ func TestDecoderInterns(t *testing.T) {
 		t.Fatal(err)
 	}
 	s1, s2 := m1.Batch[0].Start, m2.Batch[0].Start
-	for _, p := range [][2]string{{s1.Endpoint, s2.Endpoint}, {s1.Tenant, s2.Tenant}, {s1.Model, s2.Model}} {
+	for _, p := range [][2]string{{m1.Pool, m2.Pool}, {m1.Replica, m2.Replica}, {s1.Endpoint, s2.Endpoint}, {s1.Tenant, s2.Tenant}, {s1.Model, s2.Model}} {
 		if unsafe.StringData(p[0]) != unsafe.StringData(p[1]) {
 			t.Errorf("%q was not interned", p[0])
 		}
