@@ -1,0 +1,96 @@
+// Package wire is the binary format of the messages kvbandit replicas
+// exchange to share their in-flight decisions, outcomes and KV events
+// (issue 12). It holds the message types, [Append] to encode one message
+// and [Decode] (or a [Decoder], which interns repeated strings) to read
+// one back. It does no I/O and knows nothing of NATS or of package
+// routing: package routing/sync carries the bytes and maps the values.
+//
+// # Defensive decoding
+//
+// Every message comes from the network and is hostile until bounded.
+// Decoding runs twice over the bytes: a first pass checks the whole
+// message (every declared count or length against the limits below and
+// against the bytes left, every varint, every value range, no trailing
+// bytes) without allocating anything; only a message that passed is
+// decoded for real, into exactly sized slices. An error wraps one of
+// [ErrMalformed], [ErrTooLarge] or [ErrVersion]. Encoding refuses a value
+// over a limit with [ErrTooLarge], so what [Append] writes always
+// decodes.
+//
+// Limits: a whole message is at most [MaxMessage] bytes (1 MiB, NATS's
+// default max_payload); a batch at most [MaxItems] items; a snapshot at
+// most [MaxSnapshotStarts] starts; a start at most [MaxBlocks] block keys
+// and a message at most [MaxTotalBlocks] (the 1 MiB bound is the tighter
+// one: about 131,000 keys fit); pool and replica ids at most [MaxIDLen]
+// bytes; endpoints, prefix ids, tenants and models at most [MaxStringLen]
+// bytes; a KV-event payload at most [MaxPayload] bytes (again the message
+// bound is tighter). Strings are bytes: they need not be UTF-8.
+//
+// # Format
+//
+// Notation: u8 is one byte; uvarint is encoding/binary's unsigned varint
+// (at most 10 bytes); varint is its zigzag signed varint; u64le is 8
+// bytes little-endian; str and bytes are a uvarint length then that many
+// bytes. A field typed uint32, uint16 or int32 in Go is a (u)varint whose
+// value must fit the type, or the message is malformed. Every message is:
+//
+//	u8       version        1 (anything else: ErrVersion)
+//	u8       kind           1 batch, 2 snapshot, 3 heartbeat, 4 KV events
+//	str      pool           ≤ 128 bytes
+//	str      replica        ≤ 128 bytes
+//	u64le    epoch          random per process start
+//	uvarint  seq            per replica and epoch, +1 per message
+//	...      body           by kind, below; no byte may follow it
+//
+// Batch (kind 1):
+//
+//	uvarint  count          ≤ 8192, then count items, each:
+//	u8       item kind      1 start, 2 first token, 3 end, 4 outcome
+//	...      item           start: as below; first, end: uvarint id;
+//	                        outcome: as below
+//
+// Start (a batch item of kind 1, and each entry of a snapshot):
+//
+//	uvarint  id             the sender's decision number
+//	str      endpoint       ≤ 512 bytes
+//	varint   dp rank        int32, -1 = none
+//	uvarint  block size     uint32
+//	uvarint  n              ≤ 16384 block keys, then n × u64le
+//	uvarint  isl            uint32, prompt tokens
+//	uvarint  overlap        uint32, blocks cached at the decision
+//	uvarint  decode blocks  uint32, expected decode blocks
+//	str      prefix id      ≤ 512 bytes
+//	str      tenant         ≤ 512 bytes
+//	str      model          ≤ 512 bytes
+//	uvarint  ttl            uint32 milliseconds
+//	u8       flags          bit 0: prefilled; other bits must be 0
+//
+// Outcome (a batch item of kind 4):
+//
+//	uvarint  id
+//	str      endpoint       ≤ 512 bytes
+//	varint   dp rank        int32
+//	u8       outcome kind   routing.OutcomeKind
+//	uvarint  status         uint16, HTTP status
+//	uvarint  ttft           uint32 microseconds
+//	uvarint  latency        uint32 microseconds
+//	varint   prompt tokens      int32, -1 = unknown
+//	varint   completion tokens  int32, -1 = unknown
+//	varint   cached tokens      int32, -1 = unknown
+//	str      prefix id      ≤ 512 bytes
+//	str      tenant         ≤ 512 bytes
+//	str      model          ≤ 512 bytes
+//
+// Snapshot (kind 2): uvarint count (≤ 65536), then count starts as above.
+// It replaces the sender's whole contribution.
+//
+// Heartbeat (kind 3): uvarint in-flight (uint32), uvarint interval
+// (uint32 milliseconds).
+//
+// KV events (kind 4): str endpoint (≤ 512 bytes), bytes payload (a vLLM
+// msgpack KV-event batch as received), uvarint seq (the worker's sequence
+// number).
+//
+// Varints need not be minimal: a decoder accepts any encoding
+// encoding/binary accepts, and [Append] always writes the minimal one.
+package wire
