@@ -163,6 +163,13 @@ type Options struct {
 	// last reported it (default 10 minutes; negative: only the latest
 	// report counts).
 	AdapterRetention time.Duration
+	// MaxRemoteDecisions bounds the peer replicas' decisions open at once
+	// ([Engine.StartRemote]; default DefaultMaxRemoteDecisions), and
+	// RemoteBlockBudget the block keys they hold (default
+	// DefaultRemoteBlockBudget). Beyond either, StartRemote refuses with
+	// ErrRemoteLimit: the sync layer's TTLs normally keep far below.
+	MaxRemoteDecisions int
+	RemoteBlockBudget  int
 }
 
 // insert is one approximate index insert queued off the request path.
@@ -196,6 +203,12 @@ func (o *Options) defaults() {
 	}
 	if o.AdapterRetention == 0 {
 		o.AdapterRetention = DefaultAdapterRetention
+	}
+	if o.MaxRemoteDecisions <= 0 {
+		o.MaxRemoteDecisions = DefaultMaxRemoteDecisions
+	}
+	if o.RemoteBlockBudget <= 0 {
+		o.RemoteBlockBudget = DefaultRemoteBlockBudget
 	}
 	o.Ejection.defaults()
 }
@@ -271,8 +284,12 @@ type Engine struct {
 	expired atomic.Int64
 	// servedUnknown counts outcomes served by an endpoint outside the set.
 	servedUnknown atomic.Int64
-	// remoteExpired counts peers' decisions released by their stale timer.
+	// remoteExpired counts peers' decisions released by their stale timer;
+	// remoteOpen and remoteBlocks are the peers' decisions open and the
+	// block keys they hold (bounded by the Options).
 	remoteExpired atomic.Int64
+	remoteOpen    atomic.Int64
+	remoteBlocks  atomic.Int64
 	// ejectErrors and ejectScrape count ejections by reason.
 	ejectErrors atomic.Int64
 	ejectScrape atomic.Int64

@@ -33,6 +33,14 @@ const (
 	MaxRemoteTokens = 1 << 24
 	// MaxRemoteBlockSize bounds a remote decision's block size in tokens.
 	MaxRemoteBlockSize = 1 << 16
+
+	// DefaultMaxRemoteDecisions is Options.MaxRemoteDecisions' default:
+	// 64 peers each with 1024 requests in flight (--max-inflight's
+	// default).
+	DefaultMaxRemoteDecisions = 1 << 16
+	// DefaultRemoteBlockBudget is Options.RemoteBlockBudget's default:
+	// 4 Mi block keys, 32 MiB.
+	DefaultRemoteBlockBudget = 1 << 22
 )
 
 var (
@@ -44,6 +52,10 @@ var (
 	// of range (too many blocks, a negative count, an unknown kind).
 	// Nothing is recorded.
 	ErrInvalidRemote = errors.New("invalid remote decision")
+	// ErrRemoteLimit: the engine already holds Options.MaxRemoteDecisions
+	// peers' decisions, or Options.RemoteBlockBudget block keys for them.
+	// Nothing is recorded.
+	ErrRemoteLimit = errors.New("too many remote decisions")
 )
 
 // RemoteStart is a decision made by a peer replica, as much of it as this
@@ -251,6 +263,7 @@ type RemoteDecision struct {
 
 	e         *Engine
 	live      *Live
+	blocks    int64 // block keys counted in Engine.remoteBlocks
 	entry     *slots.Entry
 	timer     clock.Timer
 	prefilled atomic.Bool
@@ -265,8 +278,9 @@ type RemoteDecision struct {
 // that records session state at decision time ([RemoteStarter]) record it.
 //
 // s is checked against the current endpoint set: an endpoint or rank not
-// in it gives ErrUnknownEndpoint and a value out of bounds ErrInvalidRemote,
-// and nothing is recorded. Blocks of another block size than this
+// in it gives ErrUnknownEndpoint, a value out of bounds ErrInvalidRemote,
+// and more open peers' decisions or held block keys than the Options
+// allow ErrRemoteLimit; nothing is recorded then. Blocks of another block size than this
 // replica's for the endpoint (a worker-reported size one replica has not
 // scraped yet) are another key space: their prefill tokens still count,
 // their blocks are neither held nor indexed.
@@ -285,8 +299,18 @@ func (e *Engine) StartRemote(s RemoteStart) (*RemoteDecision, error) {
 	if err != nil {
 		return nil, err
 	}
+	n := int64(len(s.Blocks))
+	if open := e.remoteOpen.Add(1); open > int64(e.opts.MaxRemoteDecisions) {
+		e.remoteOpen.Add(-1)
+		return nil, fmt.Errorf("%w: %d open (max %d)", ErrRemoteLimit, open-1, e.opts.MaxRemoteDecisions)
+	}
+	if held := e.remoteBlocks.Add(n); held > int64(e.opts.RemoteBlockBudget) {
+		e.remoteBlocks.Add(-n)
+		e.remoteOpen.Add(-1)
+		return nil, fmt.Errorf("%w: %d block keys held, %d more (budget %d)", ErrRemoteLimit, held-n, n, e.opts.RemoteBlockBudget)
+	}
 	now := e.clk.Now()
-	r := &RemoteDecision{Endpoint: st.Key, DPRank: s.DPRank, e: e, live: st.Live}
+	r := &RemoteDecision{Endpoint: st.Key, DPRank: s.DPRank, e: e, live: st.Live, blocks: n}
 	st.RemoteInFlight.Add(1)
 	keys := s.Blocks
 	if s.BlockSize != e.blockSize(st) {
@@ -336,6 +360,8 @@ func (r *RemoteDecision) End() bool {
 	}
 	r.entry.Free()
 	r.live.RemoteInFlight.Add(-1)
+	r.e.remoteBlocks.Add(-r.blocks)
+	r.e.remoteOpen.Add(-1)
 	if r.e.queue != nil {
 		r.e.queue.Wake()
 	}

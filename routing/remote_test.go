@@ -3,12 +3,14 @@ package routing_test
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"testing"
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
 	"github.com/kvbandit/kvbandit/routing/policy/thompson"
@@ -305,6 +307,74 @@ func TestRemoteStartRejectsUnknown(t *testing.T) {
 	}
 	if post := r.e.Policy().(*kvbandit.Policy).Posteriors(); len(post) != 1 || post[0].Endpoint != "10.0.0.1:8000" {
 		t.Errorf("a good outcome taught %+v", post)
+	}
+}
+
+// TestRemoteLimits: the engine holds at most MaxRemoteDecisions peers'
+// decisions and RemoteBlockBudget block keys for them; ending decisions
+// makes room again.
+func TestRemoteLimits(t *testing.T) {
+	r := newReplica(t, "kv", 1, virtualClock(), routing.Options{MaxRemoteDecisions: 3, RemoteBlockBudget: 10}, ep("10.0.0.1:8000"))
+	s := routing.RemoteStart{Endpoint: "10.0.0.1:8000", DPRank: -1, BlockSize: 16, Blocks: []uint64{1, 2, 3, 4}, ISL: 64}
+	first, second := mustStart(t, r.e, s), mustStart(t, r.e, s)
+	if _, err := r.e.StartRemote(s); !errors.Is(err, routing.ErrRemoteLimit) {
+		t.Fatalf("12 block keys of a budget of 10: %v", err)
+	}
+	small := s
+	small.Blocks = small.Blocks[:2]
+	third := mustStart(t, r.e, small)
+	if _, err := r.e.StartRemote(routing.RemoteStart{Endpoint: "10.0.0.1:8000", DPRank: -1, BlockSize: 16}); !errors.Is(err, routing.ErrRemoteLimit) {
+		t.Fatalf("a 4th decision of at most 3: %v", err)
+	}
+	if l := loads(r.e)["10.0.0.1:8000"]; l.remote != 3 || l.prefill != 3*64 {
+		t.Fatalf("refused starts recorded load: %+v", l)
+	}
+	first.End()
+	first.End() // idempotent: releases once
+	mustStart(t, r.e, s).End()
+	second.End()
+	third.End()
+	for range 3 {
+		defer mustStart(t, r.e, small).End()
+	}
+}
+
+// TestRemoteMemoryBudget: a peer that starts decisions with the largest
+// block lists and never ends them cannot make the engine hold more than
+// its block budget. Unbounded, the 2000 starts below would hold 256 MiB of
+// block keys; the budget is 8 MiB.
+func TestRemoteMemoryBudget(t *testing.T) {
+	const budget = 1 << 20 // block keys: 8 MiB
+	r := newReplica(t, "kv", 1, virtualClock(), routing.Options{RemoteBlockBudget: budget, Index: kvindex.Options{MaxEntries: 1 << 14}}, fleet(4)...)
+	heap := func() uint64 {
+		runtime.GC()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		return ms.HeapAlloc
+	}
+	before := heap()
+	var open []*routing.RemoteDecision
+	refused := 0
+	for i := range 2000 {
+		blocks := make([]uint64, routing.MaxRemoteBlocks)
+		blocks[0] = uint64(i) + 1 // a chain of its own: later keys never match
+		rd, err := r.e.StartRemote(routing.RemoteStart{Endpoint: routing.EndpointKey(fmt.Sprintf("10.0.0.%d:8000", i%4+1)), DPRank: -1, BlockSize: 16, Blocks: blocks, ISL: len(blocks) * 16})
+		switch {
+		case errors.Is(err, routing.ErrRemoteLimit):
+			refused++
+		case err != nil:
+			t.Fatal(err)
+		default:
+			open = append(open, rd)
+		}
+	}
+	grown := int64(heap()) - int64(before)
+	t.Logf("%d starts held, %d refused, heap grew %d MiB", len(open), refused, grown>>20)
+	if len(open) != budget/routing.MaxRemoteBlocks || grown > 40<<20 {
+		t.Fatalf("%d starts held (want %d), heap grew %d MiB (bound 40 MiB)", len(open), budget/routing.MaxRemoteBlocks, grown>>20)
+	}
+	for _, rd := range open {
+		rd.End()
 	}
 }
 
