@@ -110,7 +110,12 @@ type Decision struct {
 	Sticky bool
 
 	// state is the policy's private per-decision state (Choice.State).
-	state     any
+	state any
+	// num is the engine's decision number (ID in base 36).
+	num uint64
+	// share is what a peer replica needs to reproduce the decision's load
+	// and learn from its outcome ([Decision.Share]); set at commit.
+	share     shareInfo
 	live      *Live
 	entry     *slots.Entry
 	timer     clock.Timer

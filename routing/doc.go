@@ -40,4 +40,18 @@
 // learner. Done is idempotent: the first call wins, later calls are counted
 // and ignored. Callers (the ext_proc stream, the proxy) call Done on
 // success, upstream error, client cancel, stream reset and shutdown.
+//
+// # Peer replicas
+//
+// Replicas that route for the same fleet (active-active, over routing/sync)
+// share their decisions: [Decision.Share] describes a committed decision's
+// load and session, and a peer applies it with [Engine.StartRemote], which
+// charges the same slot, approximate index and prefix state a local
+// decision would, and counts it in [Live.RemoteInFlight]; the returned
+// [RemoteDecision] is ended by the sync layer (the peer's end, a snapshot
+// replacing the peer's set, the peer's TTL) or after Options.StaleAfter.
+// Outcomes travel the same way ([Decision.ShareOutcome],
+// [Engine.LearnRemote]) to the policies that learn ([RemoteLearner]);
+// endpoint health stays local. Peers' decisions are bounded in number and
+// held block keys (Options.MaxRemoteDecisions, Options.RemoteBlockBudget).
 package routing

@@ -58,9 +58,12 @@ type Live struct {
 	// adapters are the LoRA adapters the worker reported.
 	adapters adapterSet
 
-	// InFlight is the number of decisions on the endpoint whose Done has
-	// not been called yet.
+	// InFlight is the number of this replica's decisions on the endpoint
+	// whose Done has not been called yet.
 	InFlight atomic.Int64
+	// RemoteInFlight is the number of peer replicas' decisions on the
+	// endpoint applied with [Engine.StartRemote] and not ended yet.
+	RemoteInFlight atomic.Int64
 	// Decisions counts decisions made for the endpoint.
 	Decisions atomic.Int64
 }
@@ -102,6 +105,9 @@ type Deps struct {
 	OnDecision func(*Request, *Decision)
 	// OnDone, if set, is called after each Done with the outcome.
 	OnDone func(*Decision, Outcome)
+	// OnFirst, if set, is called when a committed decision's first token
+	// arrives (the first Decision.Prefilled before Done).
+	OnFirst func(*Decision)
 	// OnTimings, if set, receives the wall-clock cost of each committed
 	// decision's phases (measured with the monotonic clock, not Clock:
 	// this is routing overhead, not simulated time).
@@ -157,6 +163,13 @@ type Options struct {
 	// last reported it (default 10 minutes; negative: only the latest
 	// report counts).
 	AdapterRetention time.Duration
+	// MaxRemoteDecisions bounds the peer replicas' decisions open at once
+	// ([Engine.StartRemote]; default DefaultMaxRemoteDecisions), and
+	// RemoteBlockBudget the block keys they hold (default
+	// DefaultRemoteBlockBudget). Beyond either, StartRemote refuses with
+	// ErrRemoteLimit: the sync layer's TTLs normally keep far below.
+	MaxRemoteDecisions int
+	RemoteBlockBudget  int
 }
 
 // insert is one approximate index insert queued off the request path.
@@ -190,6 +203,12 @@ func (o *Options) defaults() {
 	}
 	if o.AdapterRetention == 0 {
 		o.AdapterRetention = DefaultAdapterRetention
+	}
+	if o.MaxRemoteDecisions <= 0 {
+		o.MaxRemoteDecisions = DefaultMaxRemoteDecisions
+	}
+	if o.RemoteBlockBudget <= 0 {
+		o.RemoteBlockBudget = DefaultRemoteBlockBudget
 	}
 	o.Ejection.defaults()
 }
@@ -265,6 +284,12 @@ type Engine struct {
 	expired atomic.Int64
 	// servedUnknown counts outcomes served by an endpoint outside the set.
 	servedUnknown atomic.Int64
+	// remoteExpired counts peers' decisions released by their stale timer;
+	// remoteOpen and remoteBlocks are the peers' decisions open and the
+	// block keys they hold (bounded by the Options).
+	remoteExpired atomic.Int64
+	remoteOpen    atomic.Int64
+	remoteBlocks  atomic.Int64
 	// ejectErrors and ejectScrape count ejections by reason.
 	ejectErrors atomic.Int64
 	ejectScrape atomic.Int64
@@ -835,7 +860,8 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		d.done.Store(true)
 		return d, nil
 	}
-	d.ID = strconv.FormatUint(e.ids.Add(1), 36)
+	d.num = e.ids.Add(1)
+	d.ID = strconv.FormatUint(d.num, 36)
 	d.live = st.Live
 	st.InFlight.Add(1)
 	st.Decisions.Add(1)
@@ -848,25 +874,16 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		}
 		d.entry = rs.slot.Add(keys, sc.ISL, c.Overlap, ks.bs)
 	}
-	if !rs.eventFed.Load() && len(ks.keys) > 0 {
-		// Approximate mode: assume the worker now caches the prompt.
-		if fresh := ks.keys[rs.unseen(ks.keys, sc.Now):]; len(fresh) > 0 {
-			if e.inserts == nil {
-				_ = e.index.InsertApprox(rs.worker, ks.bs, fresh, sc.Now)
-			} else {
-				select {
-				case e.inserts <- insert{rs.worker, ks.bs, fresh, sc.Now}:
-				default:
-					e.insertsDrop.Add(1)
-				}
-			}
-		}
-	}
+	e.insertApprox(rs, ks.bs, ks.keys, sc.Now)
+	d.share = shareInfo{keys: ks.keys, bs: ks.bs, isl: sc.ISL, queued: c.ActivePrefillTokens, req: req.shared()}
 	d.onEnd = e.end
 	d.onFirst = func() {
 		d.entry.Prefilled()
 		if e.queue != nil {
 			e.queue.Wake()
+		}
+		if e.deps.OnFirst != nil {
+			e.deps.OnFirst(d)
 		}
 	}
 	d.timer = e.clk.AfterFunc(e.opts.StaleAfter, func() {
@@ -882,6 +899,30 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		e.deps.OnTimings(tm)
 	}
 	return d, nil
+}
+
+// insertApprox records, for a rank without trusted KV events, that its
+// worker now caches keys (approximate mode): a committed decision's prompt
+// ([Engine.Pick]) or a peer replica's ([Engine.StartRemote]). Keys already
+// inserted for the rank within the last second are skipped. keys is
+// retained.
+func (e *Engine) insertApprox(rs *rankState, bs int, keys []uint64, now time.Time) {
+	if rs.eventFed.Load() || len(keys) == 0 {
+		return
+	}
+	fresh := keys[rs.unseen(keys, now):]
+	if len(fresh) == 0 {
+		return
+	}
+	if e.inserts == nil {
+		_ = e.index.InsertApprox(rs.worker, bs, fresh, now)
+		return
+	}
+	select {
+	case e.inserts <- insert{rs.worker, bs, fresh, now}:
+	default:
+		e.insertsDrop.Add(1)
+	}
 }
 
 func (e *Engine) end(d *Decision, o Outcome) {

@@ -9,6 +9,8 @@ import "github.com/prometheus/client_golang/prometheus"
 type Collector struct {
 	e             *Engine
 	inflight      *prometheus.Desc
+	remote        *prometheus.Desc
+	remoteExpired *prometheus.Desc
 	decisions     *prometheus.Desc
 	endpoints     *prometheus.Desc
 	prefill       *prometheus.Desc
@@ -33,6 +35,8 @@ func NewCollector(e *Engine) *Collector {
 	return &Collector{
 		e:             e,
 		inflight:      prometheus.NewDesc("kvbandit_endpoint_inflight", "Decisions on the endpoint whose outcome has not been reported yet.", []string{"endpoint"}, nil),
+		remote:        prometheus.NewDesc("kvbandit_endpoint_remote_inflight", "Peer replicas' decisions on the endpoint applied here and not ended yet.", []string{"endpoint"}, nil),
+		remoteExpired: prometheus.NewDesc("kvbandit_remote_decisions_expired_total", "Peer replicas' decisions released by the stale-decision timer because their end never came.", nil, nil),
 		decisions:     prometheus.NewDesc("kvbandit_endpoint_decisions_total", "Decisions made for the endpoint.", []string{"endpoint"}, nil),
 		endpoints:     prometheus.NewDesc("kvbandit_endpoints", "Endpoints in the current set.", nil, nil),
 		prefill:       prometheus.NewDesc("kvbandit_endpoint_active_prefill_tokens", "Prompt tokens of in-flight requests not prefilled yet.", []string{"endpoint"}, nil),
@@ -53,7 +57,7 @@ func NewCollector(e *Engine) *Collector {
 
 // Describe implements [prometheus.Collector].
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.inflight, c.decisions, c.endpoints, c.prefill, c.blocks, c.indexEntries, c.indexBlocks, c.indexEvents, c.indexDropped, c.expired, c.servedUnknown, c.insertsDrop, c.queueDepth, c.queueOutcomes, c.ejections, c.ejected} {
+	for _, d := range []*prometheus.Desc{c.inflight, c.remote, c.remoteExpired, c.decisions, c.endpoints, c.prefill, c.blocks, c.indexEntries, c.indexBlocks, c.indexEvents, c.indexDropped, c.expired, c.servedUnknown, c.insertsDrop, c.queueDepth, c.queueOutcomes, c.ejections, c.ejected} {
 		ch <- d
 	}
 }
@@ -70,6 +74,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			ejected++
 		}
 		ch <- prometheus.MustNewConstMetric(c.inflight, prometheus.GaugeValue, float64(st.InFlight.Load()), k)
+		ch <- prometheus.MustNewConstMetric(c.remote, prometheus.GaugeValue, float64(st.RemoteInFlight.Load()), k)
 		ch <- prometheus.MustNewConstMetric(c.decisions, prometheus.CounterValue, float64(st.Decisions.Load()), k)
 		ch <- prometheus.MustNewConstMetric(c.prefill, prometheus.GaugeValue, float64(st.InFlightPrefill()), k)
 		var blocks int64
@@ -88,6 +93,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.indexDropped, prometheus.CounterValue, float64(is.Expired), "ttl")
 	ch <- prometheus.MustNewConstMetric(c.indexDropped, prometheus.CounterValue, float64(is.Pruned), "pruned")
 	ch <- prometheus.MustNewConstMetric(c.expired, prometheus.CounterValue, float64(c.e.Expired()))
+	ch <- prometheus.MustNewConstMetric(c.remoteExpired, prometheus.CounterValue, float64(c.e.RemoteExpired()))
 	ch <- prometheus.MustNewConstMetric(c.servedUnknown, prometheus.CounterValue, float64(c.e.ServedUnknown()))
 	ch <- prometheus.MustNewConstMetric(c.insertsDrop, prometheus.CounterValue, float64(c.e.DroppedInserts()))
 	ch <- prometheus.MustNewConstMetric(c.ejected, prometheus.GaugeValue, float64(ejected))

@@ -265,8 +265,15 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 // prefillBlocks is the prefill work on c if the request goes there: its
 // in-flight prefill plus the request's uncached tokens, in blocks.
 func prefillBlocks(s *routing.Scoring, c *routing.Candidate) float64 {
-	bs := max(s.BlockSize, 1)
-	return (float64(c.ActivePrefillTokens) + float64(max(s.ISL-c.Overlap*bs, 0))) / float64(bs)
+	return prefillWork(c.ActivePrefillTokens, s.ISL, c.Overlap, s.BlockSize)
+}
+
+// prefillWork is the prefill work, in blocks of bs tokens, of a request of
+// isl tokens with overlap cached blocks on an endpoint rank with queued
+// prompt tokens in flight.
+func prefillWork(queued int64, isl, overlap, bs int) float64 {
+	bs = max(bs, 1)
+	return (float64(queued) + float64(max(isl-overlap*bs, 0))) / float64(bs)
 }
 
 // outputBlocks estimates a request's generated blocks from its hints.

@@ -1,5 +1,7 @@
 // Package leastloaded implements the least_loaded policy: the candidate
-// with the fewest in-flight requests, ties broken at random.
+// with the fewest in-flight requests, ties broken at random. In-flight
+// requests are the fleet's as far as the engine knows: this replica's
+// and, with active-active replicas, its peers' (routing.Live.FleetInFlight).
 package leastloaded
 
 import (
@@ -34,7 +36,7 @@ func (p *Policy) Choose(s *routing.Scoring, _ bool) (routing.Choice, error) {
 	best, ties := int64(-1), 0
 	choice := 0
 	for i := range cands {
-		n := cands[i].State.InFlight.Load()
+		n := cands[i].State.FleetInFlight()
 		scores[i] = -float64(n)
 		switch {
 		case best < 0 || n < best:

@@ -109,29 +109,36 @@ func (p *Policy) applyTimeout(rec *decision) {
 }
 
 func (p *Policy) learn(rec *decision, o routing.Outcome) {
-	metric := max(float64(o.Latency)/float64(time.Millisecond), 0)
-	perTok := o.CompletionTokens > 0
-	if perTok {
-		metric /= float64(o.CompletionTokens)
-	}
 	ep, a, endpoint := rec.arm.ep, rec.arm, rec.endpoint
 	if o.Served != "" && o.Served != rec.endpoint {
 		ep, a, endpoint = p.endpointFor(o.Served, p.clk.Now().UnixNano()), nil, o.Served
 		p.servedMismatch.Add(1)
 	}
+	p.feedback.Add(1)
+	p.reward(ep, a, &rec.x, endpoint, rec.rank, rec.osl, rec.bin, o)
+}
+
+// reward applies a success or upstream error's reward to the endpoint's
+// Beta bandit and latency baselines (bucket osl, bin) and, when a is not
+// nil, to the LinTS arm a with the features x it was scored with.
+func (p *Policy) reward(ep *endpointState, a *arm, x *vec, endpoint routing.EndpointKey, rank, osl, bin int, o routing.Outcome) {
+	metric := max(float64(o.Latency)/float64(time.Millisecond), 0)
+	perTok := o.CompletionTokens > 0
+	if perTok {
+		metric /= float64(o.CompletionTokens)
+	}
 	success := o.Kind == routing.OutcomeSuccess
-	baseline := p.baseline(ep, rec.osl, rec.bin, perTok, metric, success)
+	baseline := p.baseline(ep, osl, bin, perTok, metric, success)
 	var r float64
 	if success {
 		r = rewardFor(metric, baseline)
 	}
 	ep.observe(r)
-	if a != nil && a.update(&rec.x, r, p.cfg.LinTS.Lambda, p.cfg.LinTS.ForgetRate) {
+	if a != nil && a.update(x, r, p.cfg.LinTS.Lambda, p.cfg.LinTS.ForgetRate) {
 		p.eigenFallbacks.Add(1)
 	}
-	p.feedback.Add(1)
 	if p.onReward != nil {
-		p.onReward(Reward{Endpoint: endpoint, DPRank: rec.rank, Value: r, Kind: o.Kind, Latency: o.Latency,
+		p.onReward(Reward{Endpoint: endpoint, DPRank: rank, Value: r, Kind: o.Kind, Latency: o.Latency,
 			Metric: metric, Baseline: baseline, PerToken: perTok})
 	}
 }

@@ -22,6 +22,9 @@ type Stats struct {
 	Timeouts uint64
 	// Late counts outcomes that arrived after the timeout and were ignored.
 	Late uint64
+	// Remote counts peer replicas' outcomes that taught the Beta bandits
+	// and baselines ([Policy.LearnRemote]).
+	Remote uint64
 	// NoLearning counts outcomes that teach nothing (cancelled, reset,
 	// abandoned, rejected, or served by an endpoint outside the set).
 	NoLearning uint64
@@ -71,6 +74,7 @@ func (p *Policy) Stats() Stats {
 		Timeouts:         p.timeouts.Load(),
 		Late:             p.late.Load(),
 		NoLearning:       p.noLearning.Load(),
+		Remote:           p.remote.Load(),
 		ServedMismatch:   p.servedMismatch.Load(),
 		EigenFallbacks:   p.eigenFallbacks.Load(),
 		DroppedEndpoints: p.dropped.Load(),

@@ -125,6 +125,7 @@ type Policy struct {
 	seq     atomic.Uint64
 
 	decisions, feedback, timeouts, late, noLearning atomic.Uint64
+	remote                                          atomic.Uint64
 	servedMismatch, eigenFallbacks, dropped         atomic.Uint64
 }
 
@@ -338,7 +339,6 @@ func (p *Policy) terms(s *routing.Scoring, commit bool, out []candidateTerms) re
 	if p.compat.LateJoinersBlind {
 		startup = p.startupSet(s, commit)
 	}
-	isl := float64(max(s.ISL, 0))
 	reuseFeature := math.Tanh(reuseScale * r)
 	lb := &p.cfg.LoadBalancing
 	aff, sw := &p.cfg.Affinity, &p.cfg.SwitchingCost
@@ -348,9 +348,7 @@ func (p *Policy) terms(s *routing.Scoring, commit bool, out []candidateTerms) re
 		*ct = candidateTerms{}
 		key := c.Key()
 		ct.isLast = rq.hasLast && key == rq.last.Endpoint && c.DPRank == rq.last.DPRank
-		if s.ISL > 0 && s.BlockSize > 0 && c.Overlap > 0 {
-			ct.overlap = min(1, float64(c.Overlap)*float64(s.BlockSize)/isl)
-		}
+		ct.overlap = overlapFraction(s.ISL, c.Overlap, s.BlockSize)
 		ct.gpu, ct.queue = candidateLoad(c)
 		if startup != nil {
 			if _, ok := startup[key]; !ok {
@@ -359,7 +357,7 @@ func (p *Policy) terms(s *routing.Scoring, commit bool, out []candidateTerms) re
 			}
 		}
 		ct.work = p.prefix.OutstandingWork(key)
-		ct.prefill = isl * (1 - ct.overlap) / p.cfg.Prefill.TokenScale * p.cfg.Prefill.Weight
+		ct.prefill = p.prefillCost(s.ISL, ct.overlap)
 		ct.jobCost = rq.decodeCost + ct.prefill
 		last := 0.0
 		if ct.isLast {
@@ -391,6 +389,21 @@ func (p *Policy) terms(s *routing.Scoring, commit bool, out []candidateTerms) re
 		}
 	}
 	return rq
+}
+
+// overlapFraction is the share of a prompt of isl tokens that its overlap
+// cached blocks of bs tokens cover, in [0, 1].
+func overlapFraction(isl, overlap, bs int) float64 {
+	if isl <= 0 || bs <= 0 || overlap <= 0 {
+		return 0
+	}
+	return min(1, float64(overlap)*float64(bs)/float64(isl))
+}
+
+// prefillCost is the prefill feature's cost of a prompt of isl tokens of
+// which the fraction overlap is cached (§3.3).
+func (p *Policy) prefillCost(isl int, overlap float64) float64 {
+	return float64(max(isl, 0)) * (1 - overlap) / p.cfg.Prefill.TokenScale * p.cfg.Prefill.Weight
 }
 
 // assemble adds the sampled terms to the deterministic ones (§3.6). The
@@ -472,11 +485,13 @@ func candidateLoad(c *routing.Candidate) (gpu, queue float64) {
 // pendingLoad is the reference's fallback for a worker without metrics:
 // gpu = min(1, pending/20), queue = pending, where pending is the
 // endpoint's in-flight decisions (the engine's count, which excludes the
-// request being decided, as the reference's pending table does).
+// request being decided, as the reference's pending table does; with
+// active-active replicas it includes the peers' decisions the engine
+// applied: routing.Live.FleetInFlight).
 func pendingLoad(c *routing.Candidate) (gpu, queue float64) {
 	var n int64
 	if c.State != nil && c.State.Live != nil {
-		n = max(c.State.InFlight.Load(), 0)
+		n = max(c.State.FleetInFlight(), 0)
 	}
 	q := float64(n)
 	return min(1, q/pendingGPUScale), q

@@ -172,12 +172,13 @@ func Signals(s *routing.Scoring) []Signal {
 }
 
 // inFlight is the candidate's endpoint's in-flight decisions (shared by
-// the data-parallel ranks of one endpoint; the engine counts per endpoint).
+// the data-parallel ranks of one endpoint; the engine counts per endpoint):
+// this replica's and its peers' (routing.Live.FleetInFlight).
 func inFlight(c *routing.Candidate) int64 {
 	if c.State == nil || c.State.Live == nil {
 		return 0
 	}
-	return c.State.InFlight.Load()
+	return c.State.FleetInFlight()
 }
 
 // Total is the weighted sum of a candidate's signals.

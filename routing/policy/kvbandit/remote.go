@@ -1,0 +1,52 @@
+package kvbandit
+
+import (
+	"math"
+
+	"github.com/kvbandit/kvbandit/routing"
+)
+
+var (
+	_ routing.RemoteStarter = (*Policy)(nil)
+	_ routing.RemoteLearner = (*Policy)(nil)
+)
+
+// StartRemote implements [routing.RemoteStarter]: a peer replica's
+// decision for a session counts one request of it and pins it to the
+// peer's endpoint and rank, with the same reuse budget and announced work
+// as Choose records for a local decision. The session's next request, on
+// this replica, then gets the affinity credit for that endpoint as if this
+// replica had routed the earlier one.
+func (p *Policy) StartRemote(req *routing.Request, s *routing.RemoteStart) {
+	if p.prefixes == nil {
+		return
+	}
+	sess, ok := p.prefixes.Arrive(req, true)
+	if !ok {
+		return
+	}
+	bs := max(s.BlockSize, 1)
+	promptBlocks := float64(s.ISL) / float64(bs)
+	p.prefixes.Pin(req, s.Endpoint, s.DPRank, sess.Reuse, float64(sess.Reuse)*(promptBlocks+outputBlocks(req, bs)))
+}
+
+// LearnRemote implements [routing.RemoteLearner]: a peer's successful
+// outcome updates the speed posterior of its endpoint and rank, and the
+// fleet baseline, exactly as Done does for a local decision. The prefill
+// work it is measured against is rebuilt from the outcome's decision-time
+// numbers (the rank's queued prefill tokens, prompt tokens, cached blocks,
+// block size), which are the ones Choose used. Two things differ: the
+// posterior's last-seen time is when this replica learnt the outcome, and
+// in a fleet mixing block sizes the work is in the chosen endpoint's
+// block size where a local decision uses the request's first one.
+func (p *Policy) LearnRemote(o *routing.RemoteOutcome) {
+	if o.ServedUnknown || o.Kind != routing.OutcomeSuccess || o.TTFT <= 0 {
+		return
+	}
+	work := 1 + prefillWork(o.QueuedPrefillTokens, o.ISL, o.Overlap, o.BlockSize)
+	y := math.Log(o.TTFT.Seconds() * 1000 / work)
+	if math.IsNaN(y) || math.IsInf(y, 0) {
+		return
+	}
+	p.observe(postKey{o.Endpoint, o.DPRank}, y, o.Received)
+}
