@@ -8,12 +8,12 @@ import (
 
 // Minimal encoded sizes, to check a declared count against the bytes left
 // before allocating: an item is at least its kind and a one-byte id; a
-// Start at least 13 one-byte fields (id, endpoint length, dp rank, block
+// Start at least 18 one-byte fields (id, endpoint length, dp rank, block
 // size, block count, isl, overlap, decode blocks, three string lengths,
-// ttl, flags).
+// ttl, total requests, osl, osl tokens, iat, max tokens, flags).
 const (
 	minItem  = 2
-	minStart = 13
+	minStart = 18
 )
 
 // maxInterned bounds the strings a Decoder keeps; past it, it starts over.
@@ -362,6 +362,11 @@ func (r *reader) start(s *Start) {
 	s.Tenant = r.interned("tenant", MaxStringLen)
 	s.Model = r.interned("model", MaxStringLen)
 	s.TTL = r.u32("ttl")
+	s.TotalRequests = r.u32("total requests")
+	s.OSL = r.byte1("osl")
+	s.OSLTokens = r.u32("osl tokens")
+	s.IAT = r.byte1("iat")
+	s.MaxTokens = r.u32("max tokens")
 	at = r.off
 	flags := r.byte1("start flags")
 	if flags&^flagPrefilled != 0 {
@@ -384,6 +389,12 @@ func (r *reader) outcome(o *Outcome) {
 	o.PrefixID = r.str("prefix id", MaxStringLen)
 	o.Tenant = r.interned("tenant", MaxStringLen)
 	o.Model = r.interned("model", MaxStringLen)
+	o.Served = r.interned("served", MaxStringLen)
+	o.BlockSize = r.u32("block size")
+	o.ISL = r.u32("isl")
+	o.Overlap = r.u32("overlap")
+	o.QueuedPrefillTokens = r.uvarint("queued prefill tokens")
+	o.OSL = r.byte1("osl")
 }
 
 func (r *reader) kvEvents(e *KVEvents) {

@@ -24,7 +24,9 @@
 // one: about 131,000 keys fit); pool and replica ids at most [MaxIDLen]
 // bytes; endpoints, prefix ids, tenants and models at most [MaxStringLen]
 // bytes; a KV-event payload at most [MaxPayload] bytes (again the message
-// bound is tighter). Strings are bytes: they need not be UTF-8.
+// bound is tighter, as it is for snapshots: about 58,000 minimal starts
+// fit, fewer with block keys, so a sender of a large in-flight set trims
+// block keys from its snapshot). Strings are bytes: they need not be UTF-8.
 //
 // # Format
 //
@@ -63,6 +65,11 @@
 //	str      tenant         ≤ 512 bytes
 //	str      model          ≤ 512 bytes
 //	uvarint  ttl            uint32 milliseconds
+//	uvarint  total requests uint32, the session's announced requests
+//	u8       osl            output-length level (routing.Level)
+//	uvarint  osl tokens     uint32, output-length hint in tokens
+//	u8       iat            inter-arrival level (routing.Level)
+//	uvarint  max tokens     uint32, the request's max_tokens
 //	u8       flags          bit 0: prefilled; other bits must be 0
 //
 // Outcome (a batch item of kind 4):
@@ -80,6 +87,12 @@
 //	str      prefix id      ≤ 512 bytes
 //	str      tenant         ≤ 512 bytes
 //	str      model          ≤ 512 bytes
+//	str      served         ≤ 512 bytes, empty: the endpoint above
+//	uvarint  block size     uint32
+//	uvarint  isl            uint32, prompt tokens
+//	uvarint  overlap        uint32, blocks cached at the decision
+//	uvarint  queued prefill uint64, prompt tokens in flight on the rank
+//	u8       osl            output-length level (routing.Level)
 //
 // Snapshot (kind 2): uvarint count (≤ 65536), then count starts as above.
 // It replaces the sender's whole contribution.

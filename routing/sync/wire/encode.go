@@ -132,6 +132,11 @@ func appendStart(b []byte, s *Start) ([]byte, error) {
 	b = appendString(b, s.Tenant)
 	b = appendString(b, s.Model)
 	b = binary.AppendUvarint(b, uint64(s.TTL))
+	b = binary.AppendUvarint(b, uint64(s.TotalRequests))
+	b = append(b, s.OSL)
+	b = binary.AppendUvarint(b, uint64(s.OSLTokens))
+	b = append(b, s.IAT)
+	b = binary.AppendUvarint(b, uint64(s.MaxTokens))
 	var flags byte
 	if s.Prefilled {
 		flags |= flagPrefilled
@@ -141,6 +146,9 @@ func appendStart(b []byte, s *Start) ([]byte, error) {
 
 func appendOutcome(b []byte, o *Outcome) ([]byte, error) {
 	if err := checkStrings(o.Endpoint, o.PrefixID, o.Tenant, o.Model); err != nil {
+		return b, err
+	}
+	if err := checkLen("served", len(o.Served), MaxStringLen); err != nil {
 		return b, err
 	}
 	b = binary.AppendUvarint(b, o.ID)
@@ -155,7 +163,13 @@ func appendOutcome(b []byte, o *Outcome) ([]byte, error) {
 	b = binary.AppendVarint(b, int64(o.CachedTokens))
 	b = appendString(b, o.PrefixID)
 	b = appendString(b, o.Tenant)
-	return appendString(b, o.Model), nil
+	b = appendString(b, o.Model)
+	b = appendString(b, o.Served)
+	b = binary.AppendUvarint(b, uint64(o.BlockSize))
+	b = binary.AppendUvarint(b, uint64(o.ISL))
+	b = binary.AppendUvarint(b, uint64(o.Overlap))
+	b = binary.AppendUvarint(b, o.QueuedPrefillTokens)
+	return append(b, o.OSL), nil
 }
 
 func appendKVEvents(b []byte, e *KVEvents) ([]byte, error) {

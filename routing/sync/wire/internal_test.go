@@ -13,7 +13,7 @@ import (
 func TestTotalBlocksLimit(t *testing.T) {
 	b := []byte{1, 0, 0, 0, 2} // id, endpoint, dp rank, block size, 2 keys
 	b = append(b, make([]byte, 16)...)
-	b = append(b, 0, 0, 0, 0, 0, 0, 0, 0)
+	b = append(b, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0) // isl .. flags
 	for _, c := range []struct {
 		already int
 		want    error

@@ -23,7 +23,7 @@ func hostile() [][]byte {
 	}
 	// One valid start, then a second one declaring n keys.
 	twoStarts := func(n uint64) []byte {
-		return declare(wire.KindBatch, []byte{2, byte(wire.ItemStart), 1, 0, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, byte(wire.ItemStart), 2, 0, 1, 16}, n)
+		return declare(wire.KindBatch, []byte{2, byte(wire.ItemStart), 1, 0, 1, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, byte(wire.ItemStart), 2, 0, 1, 16}, n)
 	}
 	var out [][]byte
 	for _, n := range []uint64{huge, wire.MaxItems} {

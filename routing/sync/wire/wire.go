@@ -193,6 +193,16 @@ type Start struct {
 	// TTL is how long, in milliseconds, peers keep the decision without
 	// an end: it bounds drift.
 	TTL uint32
+	// The request's session hints, recorded with PrefixID by peers'
+	// policies: the announced requests of the session, the output-length
+	// and inter-arrival levels (routing.Level values, 0 = not given; a
+	// value over routing.LevelHigh decodes and is refused by routing),
+	// the output-length hint in tokens and max_tokens (0 = none).
+	TotalRequests uint32
+	OSL           uint8
+	OSLTokens     uint32
+	IAT           uint8
+	MaxTokens     uint32
 	// Prefilled says the first token came (the prefill is done).
 	Prefilled bool
 }
@@ -223,6 +233,18 @@ type Outcome struct {
 	PrefixID string
 	Tenant   string
 	Model    string
+	// Served is the endpoint the data plane really used when it is not
+	// Endpoint (≤ MaxStringLen bytes); empty: Endpoint served it.
+	Served string
+	// BlockSize, ISL and Overlap are the decision's block size, prompt
+	// tokens and cached blocks; QueuedPrefillTokens the prompt tokens
+	// in flight on the endpoint rank when the sender decided; OSL the
+	// request's output-length level (routing.Level).
+	BlockSize           uint32
+	ISL                 uint32
+	Overlap             uint32
+	QueuedPrefillTokens uint64
+	OSL                 uint8
 }
 
 // Heartbeat says the sender is alive.

@@ -34,6 +34,7 @@ func fullStart(id uint64, nblocks int) wire.Start {
 		ID: id, Endpoint: "10.0.0.1:8000", DPRank: -1, BlockSize: 16,
 		Blocks: blocks(nblocks, id), ISL: 2048, Overlap: 3, ExpectedDecodeBlocks: 9,
 		PrefixID: "session-42", Tenant: "acme", Model: "llama-3-8b", TTL: 30000,
+		TotalRequests: 12, OSL: 2, OSLTokens: 700, IAT: 1, MaxTokens: 1024,
 	}
 }
 
@@ -42,6 +43,7 @@ func fullOutcome(id uint64) wire.Outcome {
 		ID: id, Endpoint: "10.0.0.2:8000", DPRank: 3, Kind: 1, Status: 503,
 		TTFTMicros: 120000, LatencyMicros: 4_000_000, PromptTokens: 2048,
 		CompletionTokens: -1, CachedTokens: -1, PrefixID: "s", Tenant: "t", Model: "m",
+		Served: "10.0.0.3:8000", BlockSize: 16, ISL: 2048, Overlap: 5, QueuedPrefillTokens: 8192, OSL: 3,
 	}
 }
 
@@ -52,7 +54,8 @@ func validMessages() map[string]*wire.Message {
 		ID: math.MaxUint64, Endpoint: "\xff\xfe not utf-8", DPRank: math.MinInt32,
 		BlockSize: math.MaxUint32, Blocks: []uint64{0, math.MaxUint64}, ISL: math.MaxUint32,
 		Overlap: math.MaxUint32, ExpectedDecodeBlocks: math.MaxUint32, PrefixID: "\x00",
-		TTL: math.MaxUint32, Prefilled: true,
+		TTL: math.MaxUint32, TotalRequests: math.MaxUint32, OSL: 255, OSLTokens: math.MaxUint32, IAT: 255,
+		MaxTokens: math.MaxUint32, Prefilled: true,
 	}
 	prefilled := fullStart(9, 4)
 	prefilled.Prefilled = true
@@ -68,7 +71,8 @@ func validMessages() map[string]*wire.Message {
 				wire.StartItem(extreme),
 				wire.OutcomeItem(wire.Outcome{ID: math.MaxUint64, DPRank: math.MaxInt32, Kind: 255, Status: math.MaxUint16,
 					TTFTMicros: math.MaxUint32, LatencyMicros: math.MaxUint32, PromptTokens: math.MinInt32,
-					CompletionTokens: math.MaxInt32, CachedTokens: 0}),
+					CompletionTokens: math.MaxInt32, CachedTokens: 0, Served: "\xff", BlockSize: math.MaxUint32,
+					ISL: math.MaxUint32, Overlap: math.MaxUint32, QueuedPrefillTokens: math.MaxUint64, OSL: 255}),
 			},
 		},
 		"batch-empty": {Kind: wire.KindBatch, Pool: "p", Replica: "r", Epoch: 1, Seq: math.MaxUint64},
@@ -231,8 +235,8 @@ func TestDecodeErrors(t *testing.T) {
 	withVersion := func(v byte) []byte { b := bytes.Clone(valid); b[0] = v; return b }
 	withKind := func(k byte) []byte { b := bytes.Clone(valid); b[1] = k; return b }
 	start := func(mut func(b []byte) []byte) []byte {
-		// A snapshot of one minimal start, with the tail (ttl, flags)
-		// given by mut.
+		// A snapshot of one minimal start, with the tail (ttl, session
+		// hints, flags) given by mut.
 		b := append(envelope(wire.KindSnapshot), 1)
 		b = append(b, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0) // id .. model
 		return mut(b)
@@ -254,9 +258,13 @@ func TestDecodeErrors(t *testing.T) {
 		{"item kind 5", append(envelope(wire.KindBatch), 1, 5, 1), wire.ErrMalformed},
 		{"overlong varint", append(envelope(wire.KindHeartbeat), 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01, 0), wire.ErrMalformed},
 		{"in-flight over uint32", binary.AppendUvarint(envelope(wire.KindHeartbeat), 1<<32), wire.ErrMalformed},
-		{"ttl over uint32", start(func(b []byte) []byte { return append(binary.AppendUvarint(b, 1<<32), 0) }), wire.ErrMalformed},
-		{"unknown flag", start(func(b []byte) []byte { return append(b, 0, 2) }), wire.ErrMalformed},
-		{"prefilled ok", start(func(b []byte) []byte { return append(b, 0, 1) }), nil},
+		{"ttl over uint32", start(func(b []byte) []byte { return append(binary.AppendUvarint(b, 1<<32), 0, 0, 0, 0, 0, 0) }), wire.ErrMalformed},
+		{"total requests over uint32", start(func(b []byte) []byte { return append(binary.AppendUvarint(append(b, 0), 1<<32), 0, 0, 0, 0, 0) }), wire.ErrMalformed},
+		{"max tokens over uint32", start(func(b []byte) []byte { return append(binary.AppendUvarint(append(b, 0, 0, 0, 0, 0), 1<<32), 0) }), wire.ErrMalformed},
+		{"unknown flag", start(func(b []byte) []byte { return append(b, 0, 0, 0, 0, 0, 0, 2) }), wire.ErrMalformed},
+		{"prefilled ok", start(func(b []byte) []byte { return append(b, 0, 0, 0, 0, 0, 0, 1) }), nil},
+		{"levels out of range decode", start(func(b []byte) []byte { return append(b, 0, 0, 255, 0, 255, 0, 0) }), nil},
+		{"outcome isl over uint32", binary.AppendUvarint(append(envelope(wire.KindBatch), 1, byte(wire.ItemOutcome), 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), 1<<32), wire.ErrMalformed},
 		{"dp rank over int32", binary.AppendVarint(append(envelope(wire.KindSnapshot), 1, 1, 0), math.MaxInt32+1), wire.ErrMalformed},
 		{"dp rank under int32", binary.AppendVarint(append(envelope(wire.KindSnapshot), 1, 1, 0), math.MinInt32-1), wire.ErrMalformed},
 		{"status over uint16", binary.AppendUvarint(append(envelope(wire.KindBatch), 1, byte(wire.ItemOutcome), 1, 0, 0, 0), 1<<16), wire.ErrMalformed},
@@ -290,6 +298,10 @@ func TestTruncation(t *testing.T) {
 		}
 	}
 }
+
+// fitStarts is how many minimal (18-byte) starts fit in a snapshot of
+// MaxMessage bytes.
+const fitStarts = (wire.MaxMessage - 64) / 18
 
 // str returns s repeated to n bytes.
 func str(n int) string { return strings.Repeat("s", n) }
@@ -357,9 +369,11 @@ func TestEncodeLimits(t *testing.T) {
 		{"outcome prefix id", outcomeWith(func(o *wire.Outcome) { o.PrefixID = str(wire.MaxStringLen) }), outcomeWith(func(o *wire.Outcome) { o.PrefixID = str(wire.MaxStringLen + 1) })},
 		{"outcome tenant", outcomeWith(func(o *wire.Outcome) { o.Tenant = str(wire.MaxStringLen) }), outcomeWith(func(o *wire.Outcome) { o.Tenant = str(wire.MaxStringLen + 1) })},
 		{"outcome model", outcomeWith(func(o *wire.Outcome) { o.Model = str(wire.MaxStringLen) }), outcomeWith(func(o *wire.Outcome) { o.Model = str(wire.MaxStringLen + 1) })},
+		{"outcome served", outcomeWith(func(o *wire.Outcome) { o.Served = str(wire.MaxStringLen) }), outcomeWith(func(o *wire.Outcome) { o.Served = str(wire.MaxStringLen + 1) })},
 		{"kv endpoint", &wire.Message{Kind: wire.KindKVEvents, KVEvents: wire.KVEvents{Endpoint: str(wire.MaxStringLen)}}, &wire.Message{Kind: wire.KindKVEvents, KVEvents: wire.KVEvents{Endpoint: str(wire.MaxStringLen + 1)}}},
 		{"batch items", &wire.Message{Kind: wire.KindBatch, Batch: ends(wire.MaxItems)}, &wire.Message{Kind: wire.KindBatch, Batch: ends(wire.MaxItems + 1)}},
-		{"snapshot starts", &wire.Message{Kind: wire.KindSnapshot, Snapshot: make([]wire.Start, wire.MaxSnapshotStarts)}, &wire.Message{Kind: wire.KindSnapshot, Snapshot: make([]wire.Start, wire.MaxSnapshotStarts+1)}},
+		// An empty Start is 18 bytes: MaxMessage is the tighter bound.
+		{"snapshot starts", &wire.Message{Kind: wire.KindSnapshot, Snapshot: make([]wire.Start, fitStarts)}, &wire.Message{Kind: wire.KindSnapshot, Snapshot: make([]wire.Start, wire.MaxSnapshotStarts+1)}},
 		// 8 bytes a key: the message bound comes before the total-blocks
 		// bound (MaxTotalBlocks keys cannot fit in MaxMessage bytes).
 		{"message blocks (batch)", &wire.Message{Kind: wire.KindBatch, Batch: bigItems(7)}, &wire.Message{Kind: wire.KindBatch, Batch: bigItems(wire.MaxTotalBlocks/wire.MaxBlocks + 1)}},
@@ -426,7 +440,7 @@ func TestDecodeLimits(t *testing.T) {
 		s(1)
 		s(2)
 		s(3)
-		return append(b, 0, 0)
+		return append(b, 0, 0, 0, 0, 0, 0, 0) // ttl, session hints, flags
 	}
 	// outcomeStr: a batch of one outcome whose field-th string has n bytes.
 	outcomeStr := func(field, n int) []byte {
@@ -443,13 +457,14 @@ func TestDecodeLimits(t *testing.T) {
 		s(1)
 		s(2)
 		s(3)
-		return b
+		s(4)
+		return append(b, 0, 0, 0, 0, 0) // block size .. osl
 	}
 	startBlocks := func(n int) []byte {
 		b := append(envelope(wire.KindSnapshot), 1, 1, 0, 0, 0)
 		b = binary.AppendUvarint(b, uint64(n))
 		b = append(b, make([]byte, 8*n)...)
-		return append(b, 0, 0, 0, 0, 0, 0, 0, 0)
+		return append(b, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 	}
 	endItems := func(n int) []byte {
 		b := binary.AppendUvarint(envelope(wire.KindBatch), uint64(n))
@@ -460,7 +475,7 @@ func TestDecodeLimits(t *testing.T) {
 	}
 	minStarts := func(n int) []byte {
 		b := binary.AppendUvarint(envelope(wire.KindSnapshot), uint64(n))
-		return append(b, make([]byte, 13*n)...)
+		return append(b, make([]byte, 18*n)...)
 	}
 	declare := func(kind wire.Kind, prefix []byte, n uint64, have int) []byte {
 		b := append(envelope(kind), prefix...)
@@ -490,11 +505,14 @@ func TestDecodeLimits(t *testing.T) {
 		{"outcome tenant over", outcomeStr(2, wire.MaxStringLen+1), wire.ErrTooLarge},
 		{"outcome model at limit", outcomeStr(3, wire.MaxStringLen), nil},
 		{"outcome model over", outcomeStr(3, wire.MaxStringLen+1), wire.ErrTooLarge},
+		{"outcome served at limit", outcomeStr(4, wire.MaxStringLen), nil},
+		{"outcome served over", outcomeStr(4, wire.MaxStringLen+1), wire.ErrTooLarge},
 		{"start blocks at limit", startBlocks(wire.MaxBlocks), nil},
 		{"start blocks over", startBlocks(wire.MaxBlocks + 1), wire.ErrTooLarge},
 		{"batch items at limit", endItems(wire.MaxItems), nil},
 		{"batch items over", endItems(wire.MaxItems + 1), wire.ErrTooLarge},
-		{"snapshot starts at limit", minStarts(wire.MaxSnapshotStarts), nil},
+		{"snapshot starts that fit", minStarts(fitStarts), nil},
+		{"snapshot starts at limit (over MaxMessage)", minStarts(wire.MaxSnapshotStarts), wire.ErrTooLarge},
 		{"snapshot starts over", minStarts(wire.MaxSnapshotStarts + 1), wire.ErrTooLarge},
 		{"message over MaxMessage", append(envelope(wire.KindHeartbeat), make([]byte, wire.MaxMessage)...), wire.ErrTooLarge},
 		{"kv payload over", declare(wire.KindKVEvents, []byte{0}, wire.MaxPayload+1, 100), wire.ErrTooLarge},
