@@ -1,0 +1,67 @@
+package sync
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbandit/kvbandit/routing/sync/wire"
+)
+
+type metrics struct {
+	// sent and received by wire.Kind; received[0] counts undecodable
+	// messages (kind "malformed").
+	sent, received [wire.KindKVEvents + 1]prometheus.Counter
+	dropped        *prometheus.CounterVec
+	rejected       *prometheus.CounterVec
+	repaired       *prometheus.CounterVec
+	expired        prometheus.Counter
+	connectErrors  prometheus.Counter
+	batchItems     prometheus.Histogram
+	degraded       prometheus.Gauge
+}
+
+func newMetrics(reg prometheus.Registerer, s *Syncer) (*metrics, error) {
+	msgs := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvbandit_sync_messages_total", Help: "Sync messages sent to and received from peer replicas, by kind.",
+	}, []string{"direction", "kind"})
+	m := &metrics{
+		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbandit_sync_dropped_total", Help: "Sync items or messages dropped, by reason (queue_full, disconnected, publish_error, too_large, snapshot_trimmed: outgoing; malformed, other_pool, own_replica_id, too_many_peers, slow_consumer, unsupported: incoming).",
+		}, []string{"reason"}),
+		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbandit_sync_rejected_total", Help: "Peers' decisions and outcomes the engine refused, by reason (unknown_endpoint, invalid, limit).",
+		}, []string{"reason"}),
+		repaired: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbandit_sync_snapshot_repairs_total", Help: "Peers' decisions a snapshot started (missed Start) or ended (missed End).",
+		}, []string{"action"}),
+		expired: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbandit_sync_expired_total", Help: "Peers' decisions ended because their peer went silent for the peer TTL or their own TTL passed.",
+		}),
+		connectErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbandit_sync_connect_errors_total", Help: "Failed NATS connect attempts and asynchronous NATS errors.",
+		}),
+		batchItems: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kvbandit_sync_batch_items", Help: "Items per published batch.",
+			Buckets: prometheus.ExponentialBuckets(1, 2, 14),
+		}),
+		degraded: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvbandit_sync_degraded", Help: "1 while the replica is not connected to NATS and routes on local state (and what it last heard from peers).",
+		}),
+	}
+	for k := wire.KindBatch; k <= wire.KindKVEvents; k++ {
+		m.sent[k] = msgs.WithLabelValues("sent", k.String())
+		m.received[k] = msgs.WithLabelValues("received", k.String())
+	}
+	m.received[0] = msgs.WithLabelValues("received", "malformed")
+	peers := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvbandit_sync_peers", Help: "Peer replicas heard from within the peer TTL.",
+	}, s.peerCount)
+	age := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvbandit_sync_peer_update_age_seconds", Help: "Age of the newest message from any peer replica (0 without peers).",
+	}, s.newestUpdateAge)
+	for _, c := range []prometheus.Collector{msgs, m.dropped, m.rejected, m.repaired, m.expired, m.connectErrors, m.batchItems, m.degraded, peers, age} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}

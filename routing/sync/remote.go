@@ -1,0 +1,330 @@
+package sync
+
+import (
+	"errors"
+	"slices"
+	"sort"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/sync/wire"
+)
+
+// peer is one peer replica as this replica knows it (guarded by s.rmu).
+type peer struct {
+	replica   string
+	epoch     uint64
+	seq       uint64
+	gaps      uint64    // messages missed (sequence gaps)
+	lastHeard time.Time // on this replica's clock
+	lastHB    time.Time
+	reported  uint32 // in-flight count of its last heartbeat
+	interval  uint32
+	decisions map[uint64]*remote
+}
+
+// remote is one applied peer decision.
+type remote struct {
+	rd       *routing.RemoteDecision
+	deadline time.Time // zero: no TTL
+}
+
+func (p *peer) endAll() {
+	for id, r := range p.decisions {
+		r.rd.End()
+		delete(p.decisions, id)
+	}
+}
+
+func (p *peer) end(id uint64) {
+	if r, ok := p.decisions[id]; ok {
+		r.rd.End()
+		delete(p.decisions, id)
+	}
+}
+
+// receive is the subscription's handler: NATS calls it on one goroutine,
+// in order.
+func (s *Syncer) receive(msg *nats.Msg) {
+	s.rmu.Lock()
+	defer s.rmu.Unlock()
+	if s.closed {
+		return
+	}
+	m, err := s.dec.Decode(msg.Data)
+	if err != nil {
+		s.m.received[0].Inc()
+		s.m.dropped.WithLabelValues("malformed").Inc()
+		return
+	}
+	if m.Replica == s.cfg.Replica {
+		if m.Epoch != s.epoch {
+			// Another process uses this replica id: its decisions would be
+			// taken for a restart of ours at every message. Ignore it.
+			s.m.dropped.WithLabelValues("own_replica_id").Inc()
+			if s.authLog.allow("dup-replica", time.Now()) {
+				s.log.Error("another replica of the pool uses this replica id: its messages are ignored; give every replica its own --replica-id")
+			}
+		}
+		return
+	}
+	s.m.received[m.Kind].Inc()
+	if m.Pool != s.cfg.Pool {
+		s.m.dropped.WithLabelValues("other_pool").Inc()
+		return
+	}
+	now := s.clk.Now()
+	p := s.peers[m.Replica]
+	if p == nil {
+		if len(s.peers) >= s.cfg.MaxPeers {
+			s.m.dropped.WithLabelValues("too_many_peers").Inc()
+			return
+		}
+		p = &peer{replica: m.Replica, epoch: m.Epoch, decisions: make(map[uint64]*remote)}
+		s.peers[m.Replica] = p
+		s.log.Info("peer replica joined", "peer", m.Replica)
+		s.signal(s.resnap) // it may have missed our state
+	} else if p.epoch != m.Epoch {
+		s.log.Info("peer replica restarted: its previous decisions end", "peer", m.Replica, "ended", len(p.decisions))
+		p.endAll()
+		p.epoch, p.seq, p.gaps = m.Epoch, 0, 0
+		s.signal(s.resnap)
+	} else if now.Sub(p.lastHeard) > 2*s.cfg.HeartbeatInterval {
+		// Silent for a while (its connection or ours was down): it may
+		// have missed our messages too.
+		s.signal(s.resnap)
+	}
+	if p.seq != 0 && m.Seq > p.seq+1 {
+		p.gaps += m.Seq - p.seq - 1
+	}
+	p.seq = m.Seq
+	p.lastHeard = now
+	switch m.Kind {
+	case wire.KindBatch:
+		for i := range m.Batch {
+			s.applyItem(p, &m.Batch[i], now)
+		}
+	case wire.KindSnapshot:
+		s.applySnapshot(p, m.Snapshot, now)
+	case wire.KindHeartbeat:
+		p.lastHB, p.reported, p.interval = now, m.Heartbeat.InFlight, m.Heartbeat.Interval
+	case wire.KindKVEvents:
+		// Republished KV events are not consumed yet: every replica keeps
+		// its own event-fed index.
+		s.m.dropped.WithLabelValues("unsupported").Inc()
+	}
+}
+
+func (s *Syncer) applyItem(p *peer, it *wire.Item, now time.Time) {
+	switch it.Kind {
+	case wire.ItemStart:
+		s.start(p, &it.Start, now)
+	case wire.ItemFirst:
+		if r, ok := p.decisions[it.ID]; ok {
+			r.rd.Prefilled()
+		}
+	case wire.ItemEnd:
+		p.end(it.ID)
+	case wire.ItemOutcome:
+		if err := s.eng.LearnRemote(remoteOutcome(&it.Outcome)); err != nil {
+			s.reject(err)
+		}
+	}
+}
+
+// start applies one peer decision unless it is already applied.
+func (s *Syncer) start(p *peer, st *wire.Start, now time.Time) {
+	if r, ok := p.decisions[st.ID]; ok {
+		if st.Prefilled {
+			r.rd.Prefilled()
+		}
+		return
+	}
+	rs := routing.RemoteStart{
+		Endpoint: routing.EndpointKey(st.Endpoint), DPRank: int(st.DPRank), BlockSize: int(st.BlockSize),
+		ISL: int(st.ISL), Overlap: int(st.Overlap), ExpectedDecodeBlocks: int(st.ExpectedDecodeBlocks),
+		Model: routing.ModelName(st.Model), PrefixID: st.PrefixID, Tenant: st.Tenant,
+		TotalRequests: int(st.TotalRequests), OSL: routing.Level(st.OSL), OSLTokens: int(st.OSLTokens),
+		IAT: routing.Level(st.IAT), MaxTokens: int(st.MaxTokens),
+	}
+	if len(st.Blocks) > 0 {
+		// The decoded keys share one array per message: copy them, so
+		// that a retained decision pins only its own keys.
+		rs.Blocks = slices.Clone(st.Blocks)
+	}
+	rd, err := s.eng.StartRemote(rs)
+	if err != nil {
+		s.reject(err)
+		return
+	}
+	if st.Prefilled {
+		rd.Prefilled()
+	}
+	r := &remote{rd: rd}
+	if st.TTL > 0 {
+		r.deadline = now.Add(time.Duration(st.TTL) * time.Millisecond)
+	}
+	p.decisions[st.ID] = r
+}
+
+// applySnapshot makes the peer's applied decisions those of the snapshot:
+// unknown ones start, missing ones end, known ones stay as they are.
+func (s *Syncer) applySnapshot(p *peer, starts []wire.Start, now time.Time) {
+	in := make(map[uint64]struct{}, len(starts))
+	for i := range starts {
+		in[starts[i].ID] = struct{}{}
+	}
+	for id := range p.decisions {
+		if _, ok := in[id]; !ok {
+			p.end(id)
+			s.m.repaired.WithLabelValues("ended").Inc()
+		}
+	}
+	for i := range starts {
+		if _, ok := p.decisions[starts[i].ID]; !ok {
+			s.start(p, &starts[i], now)
+			if _, ok := p.decisions[starts[i].ID]; ok {
+				s.m.repaired.WithLabelValues("started").Inc()
+			}
+		} else if starts[i].Prefilled {
+			p.decisions[starts[i].ID].rd.Prefilled()
+		}
+	}
+}
+
+func (s *Syncer) reject(err error) {
+	reason := "invalid"
+	switch {
+	case errors.Is(err, routing.ErrUnknownEndpoint):
+		reason = "unknown_endpoint"
+	case errors.Is(err, routing.ErrRemoteLimit):
+		reason = "limit"
+	}
+	s.m.rejected.WithLabelValues(reason).Inc()
+}
+
+func remoteOutcome(o *wire.Outcome) routing.RemoteOutcome {
+	return routing.RemoteOutcome{
+		Endpoint: routing.EndpointKey(o.Endpoint), DPRank: int(o.DPRank),
+		Outcome: routing.Outcome{
+			Kind: routing.OutcomeKind(o.Kind), Served: routing.EndpointKey(o.Served), Status: int(o.Status),
+			TTFT: time.Duration(o.TTFTMicros) * time.Microsecond, Latency: time.Duration(o.LatencyMicros) * time.Microsecond,
+			PromptTokens: int(o.PromptTokens), CompletionTokens: int(o.CompletionTokens), CachedTokens: int(o.CachedTokens),
+		},
+		BlockSize: int(o.BlockSize), ISL: int(o.ISL), Overlap: int(o.Overlap),
+		QueuedPrefillTokens: int64(min(o.QueuedPrefillTokens, 1<<62)), OSL: routing.Level(o.OSL),
+		PrefixID: o.PrefixID, Tenant: o.Tenant, Model: routing.ModelName(o.Model),
+	}
+}
+
+// sweep forgets peers silent for PeerTTL (ending their decisions) and
+// ends decisions past their TTL.
+func (s *Syncer) sweep() {
+	now := s.clk.Now()
+	s.rmu.Lock()
+	defer s.rmu.Unlock()
+	if s.closed {
+		return
+	}
+	for id, p := range s.peers {
+		if now.Sub(p.lastHeard) > s.cfg.PeerTTL {
+			s.log.Warn("peer replica silent: its decisions end", "peer", id, "silent", now.Sub(p.lastHeard).Round(time.Millisecond), "ended", len(p.decisions))
+			s.m.expired.Add(float64(len(p.decisions)))
+			p.endAll()
+			delete(s.peers, id)
+			continue
+		}
+		for did, r := range p.decisions {
+			if !r.deadline.IsZero() && now.After(r.deadline) {
+				p.end(did)
+				s.m.expired.Inc()
+			} else if r.rd.Ended() {
+				delete(p.decisions, did) // the engine's stale timer ended it
+			}
+		}
+	}
+}
+
+// PeerInfo describes one peer replica (/debug/replicas).
+type PeerInfo struct {
+	Replica string `json:"replica"`
+	Epoch   uint64 `json:"epoch"`
+	// LastHeardSeconds and LastHeartbeatSeconds are ages on this
+	// replica's clock (-1: no heartbeat yet).
+	LastHeardSeconds     float64 `json:"last_heard_seconds"`
+	LastHeartbeatSeconds float64 `json:"last_heartbeat_seconds"`
+	// InFlightReported is the in-flight count of its last heartbeat,
+	// InFlightApplied its decisions applied here; Lag is their
+	// difference (what this replica has not applied).
+	InFlightReported int `json:"inflight_reported"`
+	InFlightApplied  int `json:"inflight_applied"`
+	Lag              int `json:"lag"`
+	// Seq is its last message's number, MissedMessages the gaps seen.
+	Seq            uint64 `json:"seq"`
+	MissedMessages uint64 `json:"missed_messages"`
+}
+
+// Status is the syncer's state (/debug/replicas).
+type Status struct {
+	Replica   string     `json:"replica"`
+	Pool      string     `json:"pool"`
+	Epoch     uint64     `json:"epoch"`
+	Subject   string     `json:"subject"`
+	Connected bool       `json:"connected"`
+	Server    string     `json:"server,omitempty"`
+	InFlight  int        `json:"inflight"`
+	Peers     []PeerInfo `json:"peers"`
+}
+
+// Status returns the syncer's state and its peers, sorted by replica id.
+func (s *Syncer) Status() Status {
+	st := Status{Replica: s.cfg.Replica, Pool: s.cfg.Pool, Epoch: s.epoch, Subject: s.cfg.SubjectPrefix, Connected: s.connected.Load(), Peers: []PeerInfo{}}
+	if st.Connected && s.nc != nil {
+		st.Server = s.nc.ConnectedUrlRedacted()
+	}
+	s.lmu.Lock()
+	st.InFlight = len(s.inflight)
+	s.lmu.Unlock()
+	now := s.clk.Now()
+	s.rmu.Lock()
+	for _, p := range s.peers {
+		pi := PeerInfo{
+			Replica: p.replica, Epoch: p.epoch, LastHeardSeconds: now.Sub(p.lastHeard).Seconds(), LastHeartbeatSeconds: -1,
+			InFlightReported: int(p.reported), InFlightApplied: len(p.decisions), Seq: p.seq, MissedMessages: p.gaps,
+		}
+		if !p.lastHB.IsZero() {
+			pi.LastHeartbeatSeconds = now.Sub(p.lastHB).Seconds()
+		}
+		pi.Lag = pi.InFlightReported - pi.InFlightApplied
+		st.Peers = append(st.Peers, pi)
+	}
+	s.rmu.Unlock()
+	sort.Slice(st.Peers, func(i, j int) bool { return st.Peers[i].Replica < st.Peers[j].Replica })
+	return st
+}
+
+// newestUpdateAge is the age of the newest peer message, in seconds; 0
+// without peers.
+func (s *Syncer) newestUpdateAge() float64 {
+	now := s.clk.Now()
+	s.rmu.Lock()
+	defer s.rmu.Unlock()
+	var newest time.Time
+	for _, p := range s.peers {
+		if p.lastHeard.After(newest) {
+			newest = p.lastHeard
+		}
+	}
+	if newest.IsZero() {
+		return 0
+	}
+	return now.Sub(newest).Seconds()
+}
+
+func (s *Syncer) peerCount() float64 {
+	s.rmu.Lock()
+	defer s.rmu.Unlock()
+	return float64(len(s.peers))
+}

@@ -1,0 +1,478 @@
+package sync
+
+import (
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+	stdsync "sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/sync/wire"
+)
+
+// Defaults of Config's zero fields.
+const (
+	DefaultBatchInterval     = 2 * time.Millisecond
+	DefaultSnapshotInterval  = time.Second
+	DefaultHeartbeatInterval = 500 * time.Millisecond
+	DefaultPeerTTL           = 3 * time.Second
+	DefaultMaxPendingBytes   = 64 << 20
+	DefaultMaxQueueItems     = 16384
+	DefaultMaxPeers          = 256
+	DefaultReconnectWait     = 250 * time.Millisecond
+	// DefaultDecisionTTL is the TTL sent with every Start: how long peers
+	// keep a decision without an End (the engine's stale bound).
+	DefaultDecisionTTL = routing.DefaultStaleAfter
+)
+
+// ErrConfig is wrapped by New for an invalid Config.
+var ErrConfig = errors.New("sync: invalid config")
+
+// Config configures a Syncer. Zero durations and limits take the defaults
+// above.
+type Config struct {
+	// Servers are the NATS URLs (nats://, tls://), at least one.
+	Servers []string
+	// Pool is the pool name; messages of another pool are dropped.
+	Pool string
+	// Replica is this replica's id, unique in the pool.
+	Replica string
+	// SubjectPrefix is the subject prefix; default "kvbandit.<pool>".
+	SubjectPrefix string
+
+	// Authentication: a credentials file, or user and password, or a
+	// token (at most one of them).
+	CredsFile      string
+	User, Password string
+	Token          string
+	// TLS configures TLS and mutual TLS.
+	TLS TLSConfig
+
+	BatchInterval     time.Duration
+	SnapshotInterval  time.Duration
+	HeartbeatInterval time.Duration
+	PeerTTL           time.Duration
+	// DecisionTTL is sent with every Start (how long peers keep it
+	// without an End).
+	DecisionTTL time.Duration
+	// ReconnectWait is the pause between reconnect attempts (plus up to
+	// half of it at random).
+	ReconnectWait time.Duration
+	// MaxPendingBytes bounds the incoming messages NATS holds for this
+	// replica before it drops them.
+	MaxPendingBytes int
+	// MaxQueueItems bounds the local items waiting to be published; past
+	// it items are dropped (the next snapshot repairs peers).
+	MaxQueueItems int
+	// MaxPeers bounds the peers tracked.
+	MaxPeers int
+}
+
+// TLSConfig is the client side of TLS: a CA to trust (else the system
+// pool), a client certificate and key for mTLS, the server name to check.
+type TLSConfig struct {
+	CA, Cert, Key      string
+	ServerName         string
+	InsecureSkipVerify bool
+}
+
+func (t TLSConfig) enabled() bool {
+	return t.CA != "" || t.Cert != "" || t.Key != "" || t.ServerName != "" || t.InsecureSkipVerify
+}
+
+// Engine is what a Syncer needs of the routing engine; *routing.Engine
+// implements it.
+type Engine interface {
+	StartRemote(routing.RemoteStart) (*routing.RemoteDecision, error)
+	LearnRemote(routing.RemoteOutcome) error
+}
+
+var _ Engine = (*routing.Engine)(nil)
+
+// Deps are a Syncer's injected dependencies; nil fields get defaults.
+type Deps struct {
+	Logger   *slog.Logger          // nil: slog.Default()
+	Registry prometheus.Registerer // nil: a private registry
+	// Clock measures peers' ages and decisions' TTLs; the periodic work
+	// (batching, heartbeats, snapshots, sweeps) runs on real tickers.
+	Clock clock.Clock
+	// Rand picks the epoch; nil: crypto/rand.
+	Rand func() uint64
+}
+
+func (c *Config) defaults() error {
+	if len(c.Servers) == 0 {
+		return fmt.Errorf("%w: no NATS server", ErrConfig)
+	}
+	if c.Pool == "" || len(c.Pool) > wire.MaxIDLen {
+		return fmt.Errorf("%w: pool must have 1 to %d bytes", ErrConfig, wire.MaxIDLen)
+	}
+	if c.Replica == "" || len(c.Replica) > wire.MaxIDLen {
+		return fmt.Errorf("%w: replica id must have 1 to %d bytes", ErrConfig, wire.MaxIDLen)
+	}
+	if c.SubjectPrefix == "" {
+		c.SubjectPrefix = "kvbandit." + subjectToken(c.Pool)
+	}
+	if strings.ContainsAny(c.SubjectPrefix, " \t\r\n*>") || strings.HasPrefix(c.SubjectPrefix, ".") || strings.HasSuffix(c.SubjectPrefix, ".") || strings.Contains(c.SubjectPrefix, "..") {
+		return fmt.Errorf("%w: subject prefix %q", ErrConfig, c.SubjectPrefix)
+	}
+	n := 0
+	for _, set := range []bool{c.CredsFile != "", c.User != "" || c.Password != "", c.Token != ""} {
+		if set {
+			n++
+		}
+	}
+	if n > 1 {
+		return fmt.Errorf("%w: credentials file, user/password and token are exclusive", ErrConfig)
+	}
+	if (c.TLS.Cert == "") != (c.TLS.Key == "") {
+		return fmt.Errorf("%w: tls cert and key go together", ErrConfig)
+	}
+	def := func(d *time.Duration, v time.Duration) {
+		if *d <= 0 {
+			*d = v
+		}
+	}
+	def(&c.BatchInterval, DefaultBatchInterval)
+	def(&c.SnapshotInterval, DefaultSnapshotInterval)
+	def(&c.HeartbeatInterval, DefaultHeartbeatInterval)
+	def(&c.PeerTTL, DefaultPeerTTL)
+	def(&c.DecisionTTL, DefaultDecisionTTL)
+	def(&c.ReconnectWait, DefaultReconnectWait)
+	if c.PeerTTL <= c.HeartbeatInterval {
+		return fmt.Errorf("%w: peer TTL %v must exceed the heartbeat interval %v", ErrConfig, c.PeerTTL, c.HeartbeatInterval)
+	}
+	if c.MaxPendingBytes <= 0 {
+		c.MaxPendingBytes = DefaultMaxPendingBytes
+	}
+	if c.MaxQueueItems <= 0 {
+		c.MaxQueueItems = DefaultMaxQueueItems
+	}
+	if c.MaxPeers <= 0 {
+		c.MaxPeers = DefaultMaxPeers
+	}
+	return nil
+}
+
+// subjectToken makes a pool name usable as one subject token.
+func subjectToken(s string) string {
+	return strings.Map(func(r rune) rune {
+		if r <= ' ' || r == '.' || r == '*' || r == '>' || r == 0x7f {
+			return '_'
+		}
+		return r
+	}, s)
+}
+
+// Syncer shares this replica's decisions with its peers and applies
+// theirs. Make one with New, connect the hooks to routing.Deps, then
+// Start it with the engine.
+type Syncer struct {
+	cfg   Config
+	log   *slog.Logger
+	clk   clock.Clock
+	epoch uint64
+	m     *metrics
+
+	subjects [wire.KindKVEvents + 1]string
+
+	// Local side (hooks and flusher).
+	lmu      stdsync.Mutex
+	queue    []wire.Item
+	spare    []wire.Item
+	qbytes   int
+	inflight map[uint64]*wire.Start
+	kick     chan struct{} // the queue went from empty to not empty
+	urgent   chan struct{} // the queue nears a message's size
+	resnap   chan struct{} // send a snapshot now (reconnected, a peer came back)
+	seq      uint64        // flusher only
+	buf      []byte        // flusher only
+
+	// Remote side.
+	rmu    stdsync.Mutex
+	eng    Engine
+	dec    wire.Decoder
+	peers  map[string]*peer
+	closed bool
+
+	nc        *nats.Conn
+	sub       *nats.Subscription
+	connected atomic.Bool
+	authLog   logLimiter
+	stop      chan struct{}
+	wg        stdsync.WaitGroup
+	started   bool
+	closeOnce stdsync.Once
+}
+
+// New checks cfg and makes a Syncer. It does not connect: its hooks may
+// be used at once (they queue), Start connects.
+func New(cfg Config, deps Deps) (*Syncer, error) {
+	if err := cfg.defaults(); err != nil {
+		return nil, err
+	}
+	if deps.Logger == nil {
+		deps.Logger = slog.Default()
+	}
+	if deps.Registry == nil {
+		deps.Registry = prometheus.NewRegistry()
+	}
+	if deps.Clock == nil {
+		deps.Clock = clock.Real{}
+	}
+	s := &Syncer{
+		cfg: cfg, log: deps.Logger.With("component", "sync", "replica", cfg.Replica, "pool", cfg.Pool), clk: deps.Clock,
+		inflight: make(map[uint64]*wire.Start),
+		kick:     make(chan struct{}, 1), urgent: make(chan struct{}, 1), resnap: make(chan struct{}, 1),
+		peers: make(map[string]*peer), stop: make(chan struct{}),
+	}
+	if deps.Rand != nil {
+		s.epoch = deps.Rand()
+	} else {
+		var b [8]byte
+		_, _ = rand.Read(b[:])
+		s.epoch = binary.LittleEndian.Uint64(b[:])
+	}
+	for k := wire.KindBatch; k <= wire.KindKVEvents; k++ {
+		s.subjects[k] = cfg.SubjectPrefix + "." + k.String()
+	}
+	s.authLog.every = 30 * time.Second
+	m, err := newMetrics(deps.Registry, s)
+	if err != nil {
+		return nil, err
+	}
+	s.m = m
+	s.m.degraded.Set(1)
+	return s, nil
+}
+
+// Epoch is this incarnation's random epoch.
+func (s *Syncer) Epoch() uint64 { return s.epoch }
+
+// Subject is the subject prefix in use.
+func (s *Syncer) Subject() string { return s.cfg.SubjectPrefix }
+
+// Degraded reports whether the syncer is not connected to NATS.
+func (s *Syncer) Degraded() bool { return !s.connected.Load() }
+
+// Start connects to NATS in the background (it never waits for a server:
+// an unreachable one is retried for ever, the replica routing on local
+// state meanwhile), subscribes and starts the flusher. e receives peers'
+// decisions and outcomes. A bad TLS file or option is an error; a server
+// that is down is not.
+func (s *Syncer) Start(e Engine) error {
+	if e == nil {
+		return fmt.Errorf("%w: nil engine", ErrConfig)
+	}
+	opts, err := s.natsOptions()
+	if err != nil {
+		return err
+	}
+	s.rmu.Lock()
+	s.eng = e
+	s.rmu.Unlock()
+	nc, err := nats.Connect(strings.Join(s.cfg.Servers, ","), opts...)
+	if err != nil {
+		return fmt.Errorf("sync: nats: %w", err)
+	}
+	sub, err := nc.Subscribe(s.cfg.SubjectPrefix+".*", s.receive)
+	if err == nil {
+		err = sub.SetPendingLimits(-1, s.cfg.MaxPendingBytes)
+	}
+	if err != nil {
+		nc.Close()
+		return fmt.Errorf("sync: subscribe %s.*: %w", s.cfg.SubjectPrefix, err)
+	}
+	s.nc, s.sub = nc, sub
+	if nc.IsConnected() {
+		s.setConnected(true, "")
+	} else {
+		s.log.Warn("NATS unreachable: routing on local state until it connects", "servers", s.cfg.Servers)
+	}
+	s.started = true
+	s.wg.Add(1)
+	go s.run()
+	return nil
+}
+
+func (s *Syncer) natsOptions() ([]nats.Option, error) {
+	c := &s.cfg
+	opts := []nats.Option{
+		nats.Name("kvbandit " + c.Replica),
+		nats.MaxReconnects(-1),
+		nats.RetryOnFailedConnect(true),
+		nats.ReconnectWait(c.ReconnectWait),
+		nats.ReconnectJitter(c.ReconnectWait/2, c.ReconnectWait/2),
+		nats.IgnoreAuthErrorAbort(),
+		// While disconnected, publishing fails at once (counted): the
+		// snapshot after the reconnect carries the state, not a replay.
+		nats.ReconnectBufSize(-1),
+		nats.Timeout(2 * time.Second),
+		nats.PingInterval(time.Second),
+		nats.MaxPingsOutstanding(2),
+		nats.DrainTimeout(2 * time.Second),
+		nats.ConnectHandler(func(*nats.Conn) { s.setConnected(true, "connected") }),
+		nats.ReconnectHandler(func(*nats.Conn) { s.setConnected(true, "reconnected") }),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			if s.connected.Load() {
+				s.setConnected(false, "")
+				s.log.Warn("NATS connection lost: routing on local state until it reconnects", "err", err)
+			}
+		}),
+		nats.ReconnectErrHandler(func(_ *nats.Conn, err error) { s.connectFailed(err) }),
+		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+			if errors.Is(err, nats.ErrSlowConsumer) {
+				s.m.dropped.WithLabelValues("slow_consumer").Inc()
+				return
+			}
+			s.connectFailed(err)
+		}),
+	}
+	switch {
+	case c.CredsFile != "":
+		opts = append(opts, nats.UserCredentials(c.CredsFile))
+	case c.User != "" || c.Password != "":
+		opts = append(opts, nats.UserInfo(c.User, c.Password))
+	case c.Token != "":
+		opts = append(opts, nats.Token(c.Token))
+	}
+	if c.TLS.enabled() {
+		tc, err := c.TLS.config()
+		if err != nil {
+			return nil, err
+		}
+		opts = append(opts, nats.Secure(tc))
+	}
+	return opts, nil
+}
+
+func (t TLSConfig) config() (*tls.Config, error) {
+	tc := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: t.ServerName, InsecureSkipVerify: t.InsecureSkipVerify} //nolint:gosec // opt-in
+	if t.CA != "" {
+		pem, err := os.ReadFile(t.CA)
+		if err != nil {
+			return nil, fmt.Errorf("%w: tls ca: %w", ErrConfig, err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("%w: tls ca %s: no certificate", ErrConfig, t.CA)
+		}
+		tc.RootCAs = pool
+	}
+	if t.Cert != "" {
+		cert, err := tls.LoadX509KeyPair(t.Cert, t.Key)
+		if err != nil {
+			return nil, fmt.Errorf("%w: tls cert: %w", ErrConfig, err)
+		}
+		tc.Certificates = []tls.Certificate{cert}
+	}
+	return tc, nil
+}
+
+func (s *Syncer) setConnected(up bool, what string) {
+	s.connected.Store(up)
+	if up {
+		s.m.degraded.Set(0)
+		if what != "" {
+			s.log.Info("NATS "+what+": sharing state with peers", "url", s.connectedURL())
+		}
+		s.signal(s.resnap)
+		return
+	}
+	s.m.degraded.Set(1)
+}
+
+func (s *Syncer) connectedURL() string {
+	if s.nc == nil {
+		return ""
+	}
+	return s.nc.ConnectedUrlRedacted()
+}
+
+// connectFailed logs a failed (re)connect attempt: at most one line per
+// distinct error every 30 s, so a wrong password is one clear line per
+// period, not a flood.
+func (s *Syncer) connectFailed(err error) {
+	s.m.connectErrors.Inc()
+	if s.authLog.allow(err.Error(), time.Now()) {
+		msg := "NATS connect failed: routing on local state, retrying"
+		if errors.Is(err, nats.ErrAuthorization) || strings.Contains(strings.ToLower(err.Error()), "authorization") {
+			msg = "NATS rejected the credentials (check sync.nats user/password, token or creds_file): routing on local state, retrying"
+		}
+		s.log.Error(msg, "err", err, "servers", s.cfg.Servers)
+	}
+}
+
+// logLimiter lets one message per key through every period.
+type logLimiter struct {
+	mu    stdsync.Mutex
+	every time.Duration
+	last  map[string]time.Time
+}
+
+func (l *logLimiter) allow(key string, now time.Time) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.last == nil || len(l.last) > 64 {
+		l.last = make(map[string]time.Time)
+	}
+	if t, ok := l.last[key]; ok && now.Sub(t) < l.every {
+		return false
+	}
+	l.last[key] = now
+	return true
+}
+
+func (s *Syncer) signal(c chan struct{}) {
+	select {
+	case c <- struct{}{}:
+	default:
+	}
+}
+
+// Close flushes what is queued, drains the connection (at most a couple
+// of seconds), ends every peer decision applied to the engine and stops
+// the goroutines. Call it before the engine's Close. It is idempotent.
+func (s *Syncer) Close() error {
+	s.closeOnce.Do(func() {
+		if !s.started {
+			s.rmu.Lock()
+			s.closed = true
+			s.rmu.Unlock()
+			return
+		}
+		close(s.stop)
+		s.wg.Wait() // the flusher publishes the last batch before it returns
+		closed := make(chan struct{})
+		s.nc.SetClosedHandler(func(*nats.Conn) { close(closed) })
+		if err := s.nc.Drain(); err != nil {
+			s.nc.Close()
+		}
+		select {
+		case <-closed:
+		case <-time.After(5 * time.Second):
+			s.nc.Close()
+		}
+		s.connected.Store(false)
+		s.rmu.Lock()
+		s.closed = true
+		for id, p := range s.peers {
+			p.endAll()
+			delete(s.peers, id)
+		}
+		s.rmu.Unlock()
+	})
+	return nil
+}
