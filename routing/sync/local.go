@@ -315,5 +315,5 @@ func u32(n int) uint32 { return uint32(min(max(n, 0), math.MaxUint32)) }
 func u16(n int) uint16 { return uint16(min(max(n, 0), math.MaxUint16)) }
 func i32(n int) int32  { return int32(min(max(n, math.MinInt32), math.MaxInt32)) }
 
-func u32ms(d time.Duration) uint32 { return u32(int(d / time.Millisecond)) }
+func u32ms(d time.Duration) uint32  { return u32(int(d / time.Millisecond)) }
 func micros(d time.Duration) uint32 { return u32(int(d / time.Microsecond)) }

@@ -297,7 +297,7 @@ func (s *Syncer) Start(e Engine) error {
 	}
 	s.nc, s.sub = nc, sub
 	if nc.IsConnected() {
-		s.setConnected(true, "")
+		s.setConnected(nc, true, "")
 	} else {
 		s.log.Warn("NATS unreachable: routing on local state until it connects", "servers", s.cfg.Servers)
 	}
@@ -323,11 +323,11 @@ func (s *Syncer) natsOptions() ([]nats.Option, error) {
 		nats.PingInterval(time.Second),
 		nats.MaxPingsOutstanding(2),
 		nats.DrainTimeout(2 * time.Second),
-		nats.ConnectHandler(func(*nats.Conn) { s.setConnected(true, "connected") }),
-		nats.ReconnectHandler(func(*nats.Conn) { s.setConnected(true, "reconnected") }),
-		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+		nats.ConnectHandler(func(nc *nats.Conn) { s.setConnected(nc, true, "connected") }),
+		nats.ReconnectHandler(func(nc *nats.Conn) { s.setConnected(nc, true, "reconnected") }),
+		nats.DisconnectErrHandler(func(nc *nats.Conn, err error) {
 			if s.connected.Load() {
-				s.setConnected(false, "")
+				s.setConnected(nc, false, "")
 				s.log.Warn("NATS connection lost: routing on local state until it reconnects", "err", err)
 			}
 		}),
@@ -381,24 +381,17 @@ func (t TLSConfig) config() (*tls.Config, error) {
 	return tc, nil
 }
 
-func (s *Syncer) setConnected(up bool, what string) {
+func (s *Syncer) setConnected(nc *nats.Conn, up bool, what string) {
 	s.connected.Store(up)
 	if up {
 		s.m.degraded.Set(0)
 		if what != "" {
-			s.log.Info("NATS "+what+": sharing state with peers", "url", s.connectedURL())
+			s.log.Info("NATS "+what+": sharing state with peers", "url", nc.ConnectedUrlRedacted())
 		}
 		s.signal(s.resnap)
 		return
 	}
 	s.m.degraded.Set(1)
-}
-
-func (s *Syncer) connectedURL() string {
-	if s.nc == nil {
-		return ""
-	}
-	return s.nc.ConnectedUrlRedacted()
 }
 
 // connectFailed logs a failed (re)connect attempt: at most one line per

@@ -1,0 +1,64 @@
+package sync
+
+import (
+	"testing"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/kvbandit/kvbandit/routing/sync/natstest"
+	"github.com/kvbandit/kvbandit/routing/sync/wire"
+)
+
+// publisher is a raw NATS connection that sends hand-made sync messages.
+type publisher struct {
+	nc     *nats.Conn
+	prefix string
+}
+
+func rawPublisher(t testing.TB, srv *natstest.Server, prefix string) *publisher {
+	t.Helper()
+	nc, err := nats.Connect(srv.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	return &publisher{nc: nc, prefix: prefix}
+}
+
+func (p *publisher) send(t testing.TB, kind string, b []byte) {
+	t.Helper()
+	if err := p.nc.Publish(p.prefix+"."+kind, b); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// wireMsg describes a batch of Starts.
+type wireMsg struct {
+	pool, replica string
+	starts        int
+	firstID       uint64
+	endpoint      string // default 10.0.0.1:8000
+	seq           uint64
+}
+
+func (p *publisher) sendMsg(t testing.TB, w *wireMsg) {
+	t.Helper()
+	ep := w.endpoint
+	if ep == "" {
+		ep = "10.0.0.1:8000"
+	}
+	m := &wire.Message{Kind: wire.KindBatch, Pool: w.pool, Replica: w.replica, Epoch: 42, Seq: max(w.seq, 1)}
+	for i := range w.starts {
+		m.Batch = append(m.Batch, wire.StartItem(wire.Start{
+			ID: w.firstID + uint64(i) + 1, Endpoint: ep, DPRank: -1, BlockSize: 16, Blocks: []uint64{uint64(i), uint64(i) + 1}, ISL: 32,
+		}))
+	}
+	b, err := wire.Append(nil, m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.send(t, "batch", b)
+}

@@ -1,0 +1,529 @@
+package sync
+
+import (
+	"bytes"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+	stdsync "sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/goleak"
+
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/policy"
+	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
+	"github.com/kvbandit/kvbandit/routing/prefixstate"
+	"github.com/kvbandit/kvbandit/routing/sync/natstest"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// syncBuf is a goroutine-safe log sink.
+type syncBuf struct {
+	mu stdsync.Mutex
+	b  bytes.Buffer
+}
+
+func (w *syncBuf) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+func (w *syncBuf) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
+
+// node is one replica of a test: a real engine (kvbandit policy, its own
+// prefix store) and a Syncer connected to it.
+type node struct {
+	name string
+	e    *routing.Engine
+	pol  *kvbandit.Policy
+	s    *Syncer
+	reg  *prometheus.Registry
+	log  *syncBuf
+}
+
+var testFleet = []routing.Endpoint{
+	{Key: "10.0.0.1:8000"}, {Key: "10.0.0.2:8000"}, {Key: "10.0.0.3:8000"}, {Key: "10.0.0.4:8000"},
+}
+
+// testConfig is a Config with short intervals for tests.
+func testConfig(srv *natstest.Server, replica string) Config {
+	c := Config{
+		Servers: []string{srv.URL()}, Pool: "p", Replica: replica,
+		SnapshotInterval: 300 * time.Millisecond, HeartbeatInterval: 100 * time.Millisecond, PeerTTL: 800 * time.Millisecond,
+		ReconnectWait: 100 * time.Millisecond,
+	}
+	o := srv.Options()
+	c.User, c.Password, c.Token = o.User, o.Password, o.Token
+	if f := srv.TLSFiles(); f.CA != "" {
+		c.TLS = TLSConfig{CA: f.CA, Cert: f.ClientCert, Key: f.ClientKey}
+	}
+	return c
+}
+
+func newNode(t testing.TB, cfg Config, opts routing.Options) *node {
+	t.Helper()
+	return newNodeWith(t, cfg, opts, true)
+}
+
+// newNodeWith makes a node; without hooks the engine does not feed the
+// Syncer (a baseline for benchmarks).
+func newNodeWith(t testing.TB, cfg Config, opts routing.Options, hooks bool) *node {
+	t.Helper()
+	n := &node{name: cfg.Replica, reg: prometheus.NewRegistry(), log: &syncBuf{}}
+	logger := slog.New(slog.NewTextHandler(n.log, nil))
+	s, err := New(cfg, Deps{Logger: logger, Registry: n.reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.s = s
+	store, err := prefixstate.New(prefixstate.Config{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rnd := routing.NewRand(int64(len(cfg.Replica)) + 7)
+	p, err := policy.Builtin().New("kvbandit", policy.Deps{Rand: rnd, Prefixes: store, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.pol = p.(*kvbandit.Policy)
+	opts.SyncIndex = true
+	deps := routing.Deps{Rand: rnd, Logger: slog.New(slog.DiscardHandler)}
+	if hooks {
+		deps.OnDecision, deps.OnFirst, deps.OnDone = s.OnDecision, s.OnFirst, s.OnDone
+	}
+	e, err := routing.NewEngine(p, opts, deps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Update(routing.EndpointSet{Source: "test", Endpoints: testFleet}); err != nil {
+		t.Fatal(err)
+	}
+	n.e = e
+	// Stop order: the syncer before the engine (StartRemote after the
+	// engine's Close would panic), the store last.
+	t.Cleanup(func() {
+		store.Close()
+		if c, ok := p.(interface{ Close() error }); ok {
+			_ = c.Close()
+		}
+	})
+	t.Cleanup(e.Close)
+	t.Cleanup(func() { _ = s.Close() })
+	if err := s.Start(e); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// remoteInFlight is the peers' decisions this node carries, over all
+// endpoints.
+func (n *node) remoteInFlight() (total int64) {
+	for _, st := range n.e.Endpoints() {
+		total += st.RemoteInFlight.Load()
+	}
+	return total
+}
+
+func (n *node) localInFlight() (total int64) {
+	for _, st := range n.e.Endpoints() {
+		total += st.InFlight.Load()
+	}
+	return total
+}
+
+func (n *node) pick(t testing.TB, prefixID string, promptSeed int) *routing.Decision {
+	t.Helper()
+	toks := make([]uint32, 256)
+	for i := range toks {
+		toks[i] = uint32(promptSeed*1000 + i)
+	}
+	r := &routing.Request{Model: "m", Tokens: toks, TokenCount: len(toks), Hints: routing.Hints{PrefixID: prefixID, TotalRequests: 10}}
+	d, err := n.e.Pick(t.Context(), r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+func (n *node) counter(t testing.TB, name string, labels ...string) float64 {
+	t.Helper()
+	mfs, err := n.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	metric:
+		for _, m := range mf.GetMetric() {
+			for i := 0; i+1 < len(labels); i += 2 {
+				found := false
+				for _, lp := range m.GetLabel() {
+					if lp.GetName() == labels[i] && lp.GetValue() == labels[i+1] {
+						found = true
+					}
+				}
+				if !found {
+					continue metric
+				}
+			}
+			switch {
+			case m.GetCounter() != nil:
+				sum += m.GetCounter().GetValue()
+			case m.GetGauge() != nil:
+				sum += m.GetGauge().GetValue()
+			case m.GetHistogram() != nil:
+				sum += float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return sum
+}
+
+// waitFor polls cond every 2 ms until it holds or d passes; it returns
+// how long it took.
+func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for !cond() {
+		if time.Since(start) > d {
+			t.Fatalf("%s: not within %v", what, d)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	return time.Since(start)
+}
+
+func waitConnected(t testing.TB, nodes ...*node) {
+	t.Helper()
+	for _, n := range nodes {
+		waitFor(t, 10*time.Second, n.name+" connected", func() bool { return !n.s.Degraded() })
+	}
+	// Every node has heard every other (heartbeats), so the subscriptions
+	// are live.
+	for _, n := range nodes {
+		waitFor(t, 10*time.Second, n.name+" sees its peers", func() bool { return len(n.s.Status().Peers) == len(nodes)-1 })
+	}
+}
+
+// TestSharesInFlightAndEnds: A's decisions appear in B's and C's
+// RemoteInFlight within 100 ms and disappear at their End; A's outcomes
+// teach B's posteriors; a session pinned through A sticks on B.
+func TestSharesInFlightAndEnds(t *testing.T) {
+	srv := natstest.Start(t, natstest.Options{})
+	a := newNode(t, testConfig(srv, "a"), routing.Options{})
+	b := newNode(t, testConfig(srv, "b"), routing.Options{})
+	c := newNode(t, testConfig(srv, "c"), routing.Options{})
+	waitConnected(t, a, b, c)
+
+	var ds []*routing.Decision
+	var worst time.Duration
+	for i := range 8 {
+		ds = append(ds, a.pick(t, fmt.Sprintf("session-%d", i), i))
+		want := int64(len(ds))
+		for _, n := range []*node{b, c} {
+			if took := waitFor(t, time.Second, "decision applied on "+n.name, func() bool { return n.remoteInFlight() == want }); took > worst {
+				worst = took
+			}
+		}
+	}
+	t.Logf("worst publish-to-apply delay: %v", worst)
+	if worst > 100*time.Millisecond {
+		t.Errorf("a decision took %v to reach a peer, want <= 100ms", worst)
+	}
+	// Per endpoint, B sees exactly A's load.
+	for _, st := range a.e.Endpoints() {
+		for _, peer := range b.e.Endpoints() {
+			if peer.Key == st.Key && peer.RemoteInFlight.Load() != st.InFlight.Load() {
+				t.Errorf("%s: B carries %d, A has %d", st.Key, peer.RemoteInFlight.Load(), st.InFlight.Load())
+			}
+		}
+	}
+	// The session pinned by A's decision sticks on B.
+	d0 := ds[0]
+	bd := b.pick(t, "session-0", 999)
+	if bd.Endpoint != d0.Endpoint {
+		t.Errorf("session-0 went to %s on B, %s on A", bd.Endpoint, d0.Endpoint)
+	}
+	bd.Done(routing.NoUsage(routing.OutcomeCancelled))
+
+	for _, d := range ds {
+		d.Prefilled()
+		o := routing.Outcome{Kind: routing.OutcomeSuccess, Status: 200, TTFT: 80 * time.Millisecond, Latency: time.Second, PromptTokens: 256, CompletionTokens: 10, CachedTokens: 0}
+		d.Done(o)
+	}
+	for _, n := range []*node{b, c} {
+		waitFor(t, time.Second, "ends applied on "+n.name, func() bool { return n.remoteInFlight() == 0 })
+	}
+	waitFor(t, time.Second, "B learns A's outcomes", func() bool {
+		obs := 0
+		for _, p := range b.pol.Posteriors() {
+			obs += p.Observations
+		}
+		return obs >= len(ds)
+	})
+	if got := b.counter(t, "kvbandit_sync_rejected_total"); got != 0 {
+		t.Errorf("B rejected %v items", got)
+	}
+	// 8 decisions, each a Start, a First, an End and an Outcome: batched,
+	// plus heartbeats and snapshots.
+	sent := a.counter(t, "kvbandit_sync_messages_total", "direction", "sent", "kind", "batch")
+	t.Logf("A sent %v batch messages for %d decisions", sent, len(ds))
+}
+
+// TestSnapshotRepairsDroppedEnd: an End lost on the way (dropped here
+// from A's in-flight set and queue, as a full queue or a lost message
+// would) is repaired by A's next snapshot.
+func TestSnapshotRepairsDroppedEnd(t *testing.T) {
+	srv := natstest.Start(t, natstest.Options{})
+	a := newNode(t, testConfig(srv, "a"), routing.Options{})
+	b := newNode(t, testConfig(srv, "b"), routing.Options{})
+	waitConnected(t, a, b)
+	d1, d2 := a.pick(t, "", 1), a.pick(t, "", 2)
+	waitFor(t, time.Second, "B applies A's decisions", func() bool { return b.remoteInFlight() == 2 })
+	// d1 ends, but its End never leaves A.
+	a.s.lmu.Lock()
+	delete(a.s.inflight, d1.Number())
+	a.s.lmu.Unlock()
+	d1.Done(routing.NoUsage(routing.OutcomeCancelled))
+	time.Sleep(50 * time.Millisecond)
+	if got := b.remoteInFlight(); got != 2 {
+		t.Fatalf("B carries %d before the snapshot, want 2 (the End was dropped)", got)
+	}
+	took := waitFor(t, 2*time.Second, "snapshot repairs the dropped End", func() bool { return b.remoteInFlight() == 1 })
+	t.Logf("repaired after %v (snapshot interval 300ms)", took)
+	if b.counter(t, "kvbandit_sync_snapshot_repairs_total", "action", "ended") < 1 {
+		t.Error("no repair counted")
+	}
+	d2.Done(routing.NoUsage(routing.OutcomeCancelled))
+	waitFor(t, time.Second, "d2 ends on B", func() bool { return b.remoteInFlight() == 0 })
+}
+
+// TestPeerTTLExpiry: a replica that goes away without a word has its
+// decisions dropped by its peers after the peer TTL.
+func TestPeerTTLExpiry(t *testing.T) {
+	srv := natstest.Start(t, natstest.Options{})
+	a := newNode(t, testConfig(srv, "a"), routing.Options{})
+	b := newNode(t, testConfig(srv, "b"), routing.Options{})
+	waitConnected(t, a, b)
+	var ds []*routing.Decision
+	for i := range 5 {
+		ds = append(ds, a.pick(t, "", i))
+	}
+	waitFor(t, time.Second, "B applies A's decisions", func() bool { return b.remoteInFlight() == 5 })
+	// A stops talking (as if SIGKILLed): its connection closes, its
+	// decisions stay in flight locally, no End is ever sent.
+	_ = a.s.Close()
+	t0 := time.Now()
+	time.Sleep(300 * time.Millisecond)
+	if got := b.remoteInFlight(); got != 5 {
+		t.Fatalf("B dropped A's decisions before the TTL: %d left", got)
+	}
+	waitFor(t, 3*time.Second, "A's load dropped on B", func() bool { return b.remoteInFlight() == 0 })
+	t.Logf("A's load gone from B %v after A went silent (peer TTL 800ms)", time.Since(t0))
+	if len(b.s.Status().Peers) != 0 {
+		t.Error("B still lists A")
+	}
+	for _, d := range ds {
+		d.Done(routing.NoUsage(routing.OutcomeCancelled))
+	}
+}
+
+// TestNATSKillRestart: a killed nats-server degrades every replica to
+// local state (gauge 1, decisions still made); after a restart on the
+// same port the replicas converge (peers' in-flight equal to the truth,
+// including decisions made and ended during the outage) within 2 s.
+func TestNATSKillRestart(t *testing.T) {
+	srv := natstest.Start(t, natstest.Options{})
+	a := newNode(t, testConfig(srv, "a"), routing.Options{})
+	b := newNode(t, testConfig(srv, "b"), routing.Options{})
+	waitConnected(t, a, b)
+	before := []*routing.Decision{a.pick(t, "", 1), a.pick(t, "", 2), a.pick(t, "", 3)}
+	waitFor(t, time.Second, "B applies A's decisions", func() bool { return b.remoteInFlight() == 3 })
+
+	srv.Kill()
+	for _, n := range []*node{a, b} {
+		waitFor(t, 5*time.Second, n.name+" degraded", func() bool { return n.counter(t, "kvbandit_sync_degraded") == 1 })
+	}
+	// Routing goes on, on local state.
+	during := []*routing.Decision{a.pick(t, "", 4), a.pick(t, "", 5), b.pick(t, "", 6)}
+	before[0].Done(routing.NoUsage(routing.OutcomeCancelled)) // its End is lost
+	if !strings.Contains(a.log.String(), "NATS connection lost") {
+		t.Errorf("no log line about the lost connection:\n%s", a.log.String())
+	}
+
+	srv.Restart(t)
+	truthA, truthB := a.localInFlight(), b.localInFlight() // 4 and 1
+	took := waitFor(t, 2*time.Second, "converged after the restart", func() bool {
+		return !a.s.Degraded() && !b.s.Degraded() && b.remoteInFlight() == truthA && a.remoteInFlight() == truthB
+	})
+	t.Logf("converged %v after the restart (A %d, B %d in flight)", took, truthA, truthB)
+	for _, d := range append(before[1:], during...) {
+		d.Done(routing.NoUsage(routing.OutcomeCancelled))
+	}
+	waitFor(t, 2*time.Second, "in-flight back to 0", func() bool { return a.remoteInFlight() == 0 && b.remoteInFlight() == 0 })
+}
+
+// TestTLSUserPassword: TLS with a generated CA and user/password works.
+func TestTLSUserPassword(t *testing.T) {
+	srv := natstest.Start(t, natstest.Options{TLS: true, User: "kv", Password: "s3cret"})
+	a := newNode(t, testConfig(srv, "a"), routing.Options{})
+	b := newNode(t, testConfig(srv, "b"), routing.Options{})
+	waitConnected(t, a, b)
+	d := a.pick(t, "", 1)
+	waitFor(t, time.Second, "B applies A's decision over TLS", func() bool { return b.remoteInFlight() == 1 })
+	d.Done(routing.NoUsage(routing.OutcomeCancelled))
+	waitFor(t, time.Second, "B applies the End", func() bool { return b.remoteInFlight() == 0 })
+}
+
+// TestMTLSToken: mutual TLS with a token works.
+func TestMTLSToken(t *testing.T) {
+	srv := natstest.Start(t, natstest.Options{MTLS: true, Token: "tok-123"})
+	a := newNode(t, testConfig(srv, "a"), routing.Options{})
+	b := newNode(t, testConfig(srv, "b"), routing.Options{})
+	waitConnected(t, a, b)
+}
+
+// TestWrongPassword: wrong credentials are a clear error line per period,
+// not a crash loop; the replica stays degraded and routes on local state.
+func TestWrongPassword(t *testing.T) {
+	srv := natstest.Start(t, natstest.Options{User: "kv", Password: "right"})
+	cfg := testConfig(srv, "a")
+	cfg.Password = "wrong"
+	a := newNode(t, cfg, routing.Options{})
+	time.Sleep(1500 * time.Millisecond) // ~10 attempts at 100 ms + jitter
+	if !a.s.Degraded() || a.counter(t, "kvbandit_sync_degraded") != 1 {
+		t.Fatal("connected with a wrong password?")
+	}
+	logs := a.log.String()
+	if n := strings.Count(logs, "NATS rejected the credentials"); n != 1 {
+		t.Errorf("%d credential error lines in 1.5 s, want exactly 1:\n%s", n, logs)
+	}
+	// It keeps trying (the server saw the attempts), it did not give up.
+	srvLog, err := os.ReadFile(srv.LogFile())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(string(srvLog), "authentication error"); n < 3 {
+		t.Errorf("%d attempts in 1.5 s: it stopped retrying", n)
+	}
+	d := a.pick(t, "", 1) // routing goes on
+	d.Done(routing.NoUsage(routing.OutcomeCancelled))
+}
+
+// TestUnreachableAtStart: no server at all: Start returns at once, the
+// replica is degraded and routes.
+func TestUnreachableAtStart(t *testing.T) {
+	srv := natstest.Start(t, natstest.Options{})
+	cfg := testConfig(srv, "a")
+	srv.Kill()
+	t0 := time.Now()
+	a := newNode(t, cfg, routing.Options{})
+	if d := time.Since(t0); d > time.Second {
+		t.Errorf("Start blocked %v on an unreachable server", d)
+	}
+	if !a.s.Degraded() {
+		t.Fatal("not degraded without a server")
+	}
+	d := a.pick(t, "", 1)
+	srv.Restart(t)
+	waitFor(t, 5*time.Second, "connects once the server is up", func() bool { return !a.s.Degraded() })
+	d.Done(routing.NoUsage(routing.OutcomeCancelled))
+}
+
+// TestHostileMessages: garbage, another pool, unknown endpoints and a
+// replica flooding Starts are counted and bounded, never a crash.
+func TestHostileMessages(t *testing.T) {
+	srv := natstest.Start(t, natstest.Options{})
+	b := newNode(t, testConfig(srv, "b"), routing.Options{MaxRemoteDecisions: 100})
+	waitFor(t, 5*time.Second, "b connected", func() bool { return !b.s.Degraded() })
+	// The attacker is another Syncer-shaped publisher: a raw connection.
+	evil := rawPublisher(t, srv, "kvbandit.p")
+	evil.send(t, "batch", []byte("garbage \x00\xff"))
+	evil.send(t, "batch", make([]byte, 100))
+	evil.sendMsg(t, &wireMsg{pool: "other", replica: "x", starts: 1})
+	evil.sendMsg(t, &wireMsg{pool: "p", replica: "x", starts: 1, endpoint: "10.9.9.9:1"})
+	// Flood: 20 batches of 500 Starts, far over MaxRemoteDecisions.
+	for i := range 20 {
+		evil.sendMsg(t, &wireMsg{pool: "p", replica: "flood", starts: 500, firstID: uint64(i * 500), seq: uint64(i + 1)})
+	}
+	waitFor(t, 5*time.Second, "flood counted", func() bool {
+		return b.counter(t, "kvbandit_sync_rejected_total", "reason", "limit") >= 20*500-100
+	})
+	if got := b.remoteInFlight(); got != 100 {
+		t.Errorf("B carries %d flooded decisions, limit 100", got)
+	}
+	for _, c := range []struct {
+		name, label, value string
+		want               float64
+	}{
+		{"kvbandit_sync_dropped_total", "reason", "malformed", 2},
+		{"kvbandit_sync_dropped_total", "reason", "other_pool", 1},
+		{"kvbandit_sync_rejected_total", "reason", "unknown_endpoint", 1},
+	} {
+		if got := b.counter(t, c.name, c.label, c.value); got != c.want {
+			t.Errorf("%s{%s=%q} = %v, want %v", c.name, c.label, c.value, got, c.want)
+		}
+	}
+	// B still routes, and its own decisions are unaffected.
+	d := b.pick(t, "", 1)
+	d.Done(routing.NoUsage(routing.OutcomeCancelled))
+	// The flooder is silent: its decisions go with the peer TTL.
+	waitFor(t, 3*time.Second, "flooder expired", func() bool { return b.remoteInFlight() == 0 })
+}
+
+// TestMessagesPerDecisionUnderLoad: concurrent decisions (start, first
+// token, end, outcome) are batched: far fewer than 2 messages a decision,
+// and the peer ends with nothing in flight.
+func TestMessagesPerDecisionUnderLoad(t *testing.T) {
+	srv := natstest.Start(t, natstest.Options{})
+	a := newNode(t, testConfig(srv, "a"), routing.Options{})
+	b := newNode(t, testConfig(srv, "b"), routing.Options{})
+	waitConnected(t, a, b)
+	const workers, each = 4, 500
+	before := a.counter(t, "kvbandit_sync_messages_total", "direction", "sent", "kind", "batch")
+	var wg stdsync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var open []*routing.Decision
+			for i := range each {
+				open = append(open, a.pick(t, "", w*each+i))
+				if len(open) == 8 {
+					for _, d := range open {
+						d.Prefilled()
+						d.Done(routing.Outcome{Kind: routing.OutcomeSuccess, Status: 200, TTFT: 20 * time.Millisecond, Latency: 100 * time.Millisecond, PromptTokens: 256, CompletionTokens: 5, CachedTokens: -1})
+					}
+					open = open[:0]
+				}
+			}
+			for _, d := range open {
+				d.Done(routing.NoUsage(routing.OutcomeCancelled))
+			}
+		}()
+	}
+	wg.Wait()
+	waitFor(t, 2*time.Second, "B back to 0", func() bool { return b.remoteInFlight() == 0 })
+	batches := a.counter(t, "kvbandit_sync_messages_total", "direction", "sent", "kind", "batch") - before
+	perDecision := batches / (workers * each)
+	t.Logf("%d decisions: %v batch messages, %.3f a decision", workers*each, batches, perDecision)
+	if perDecision > 2 {
+		t.Errorf("%.2f batch messages a decision, want <= 2", perDecision)
+	}
+	if got := b.counter(t, "kvbandit_sync_dropped_total"); got != 0 {
+		t.Errorf("B dropped %v", got)
+	}
+}
