@@ -16,6 +16,7 @@ import (
 	"github.com/kvbandit/kvbandit/internal/tlsconfig"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
+	rsync "github.com/kvbandit/kvbandit/routing/sync"
 )
 
 // AdminOptions are the flags of the admin (--metrics-addr) and health
@@ -66,6 +67,7 @@ type adminState struct {
 	hub    *discovery.Hub
 	policy string
 	ep     *extproc.Server
+	sync   *rsync.Syncer // nil without --sync-nats
 }
 
 // newAdminServer returns the admin HTTP server: /metrics, /debug/endpoints
@@ -81,6 +83,7 @@ func newAdminServer(o AdminOptions, st adminState) *http.Server {
 		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	}
 	mux.HandleFunc("/debug/endpoints", st.endpoints)
+	mux.HandleFunc("/debug/replicas", st.replicas)
 	return &http.Server{Handler: mux, ReadHeaderTimeout: adminReadHeaderTimeout, WriteTimeout: adminWriteTimeout,
 		IdleTimeout: adminIdleTimeout, MaxHeaderBytes: adminMaxHeaderBytes}
 }
@@ -90,20 +93,39 @@ func newAdminServer(o AdminOptions, st adminState) *http.Server {
 func (st adminState) endpoints(w http.ResponseWriter, _ *http.Request) {
 	type row struct {
 		routing.Endpoint
-		InFlight  int64               `json:"inflight"`
-		Decisions int64               `json:"decisions"`
-		Health    routing.Health      `json:"health"`
-		Scraped   []routing.ModelName `json:"scraped_adapters,omitempty"`
+		// InFlight is this replica's decisions, RemoteInFlight its
+		// peers' (--sync-nats), FleetInFlight their sum.
+		InFlight       int64               `json:"inflight"`
+		RemoteInFlight int64               `json:"remote_inflight"`
+		FleetInFlight  int64               `json:"fleet_inflight"`
+		Decisions      int64               `json:"decisions"`
+		Health         routing.Health      `json:"health"`
+		Scraped        []routing.ModelName `json:"scraped_adapters,omitempty"`
 	}
 	var rows []row
 	now := st.engine.Clock().Now()
 	for _, e := range st.engine.Endpoints() {
-		rows = append(rows, row{e.Endpoint, e.InFlight.Load(), e.Decisions.Load(), e.Health(now), e.ScrapedAdapters()})
+		local, remote := e.InFlight.Load(), e.RemoteInFlight.Load()
+		rows = append(rows, row{e.Endpoint, local, remote, local + remote, e.Decisions.Load(), e.Health(now), e.ScrapedAdapters()})
 	}
 	w.Header().Set("content-type", "application/json")
 	ds := st.hub.Stats()
 	_ = json.NewEncoder(w).Encode(map[string]any{"policy": st.policy, "endpoints": rows, "streams": st.ep.Streams(),
 		"discovery": map[string]any{"source": ds.Source, "desired": ds.Endpoints, "pickable": ds.Pickable, "lingering": ds.Lingering, "degraded": ds.Degraded}})
+}
+
+// replicas serves /debug/replicas: this replica's sync state and its
+// peers (last heard, last heartbeat, in-flight reported and applied, lag).
+func (st adminState) replicas(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("content-type", "application/json")
+	if st.sync == nil {
+		_ = json.NewEncoder(w).Encode(map[string]any{"enabled": false, "peers": []any{}})
+		return
+	}
+	_ = json.NewEncoder(w).Encode(struct {
+		Enabled bool `json:"enabled"`
+		rsync.Status
+	}{true, st.sync.Status()})
 }
 
 // healthServerOptions are the gRPC health server's options: TLS with

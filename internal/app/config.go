@@ -50,6 +50,64 @@ type FileConfig struct {
 	// Discovery selects a dynamic source of endpoints (instead of the
 	// static endpoints list) and the EDS server.
 	Discovery DiscoveryConfig `json:"discovery"`
+	// Sync shares in-flight decisions and outcomes with the other
+	// replicas of the pool over NATS (active-active; off without servers).
+	Sync SyncConfig `json:"sync"`
+}
+
+// SyncConfig configures routing/sync. --sync-nats overrides
+// nats.servers.
+type SyncConfig struct {
+	NATS SyncNATSConfig `json:"nats"`
+	// BatchIntervalMs, SnapshotIntervalMs, HeartbeatIntervalMs and
+	// PeerTTLMs tune publishing and peer expiry (0: routing/sync's
+	// defaults, 2, 1000, 500 and 3000).
+	BatchIntervalMs     int `json:"batch_interval_ms,omitempty"`
+	SnapshotIntervalMs  int `json:"snapshot_interval_ms,omitempty"`
+	HeartbeatIntervalMs int `json:"heartbeat_interval_ms,omitempty"`
+	PeerTTLMs           int `json:"peer_ttl_ms,omitempty"`
+}
+
+// SyncNATSConfig is the NATS connection of routing/sync.
+type SyncNATSConfig struct {
+	Servers []string `json:"servers,omitempty"`
+	// CredsFile, User/Password and Token are exclusive.
+	CredsFile string        `json:"creds_file,omitempty"`
+	User      string        `json:"user,omitempty"`
+	Password  string        `json:"password,omitempty"`
+	Token     string        `json:"token,omitempty"`
+	TLS       SyncTLSConfig `json:"tls"`
+	// SubjectPrefix defaults to kvbandit.<pool>.
+	SubjectPrefix string `json:"subject_prefix,omitempty"`
+}
+
+// SyncTLSConfig is the client TLS of the NATS connection: the CA to trust,
+// a client certificate and key for mTLS, the server name to verify.
+type SyncTLSConfig struct {
+	CA                 string `json:"ca,omitempty"`
+	Cert               string `json:"cert,omitempty"`
+	Key                string `json:"key,omitempty"`
+	ServerName         string `json:"server_name,omitempty"`
+	InsecureSkipVerify bool   `json:"insecure_skip_verify,omitempty"`
+}
+
+func (c *SyncConfig) validate() error {
+	switch {
+	case c.BatchIntervalMs < 0 || c.SnapshotIntervalMs < 0 || c.HeartbeatIntervalMs < 0 || c.PeerTTLMs < 0:
+		return fmt.Errorf("sync: batch_interval_ms, snapshot_interval_ms, heartbeat_interval_ms and peer_ttl_ms must be >= 0")
+	case (c.NATS.TLS.Cert == "") != (c.NATS.TLS.Key == ""):
+		return fmt.Errorf("sync.nats.tls: cert and key go together")
+	}
+	n := 0
+	for _, set := range []bool{c.NATS.CredsFile != "", c.NATS.User != "" || c.NATS.Password != "", c.NATS.Token != ""} {
+		if set {
+			n++
+		}
+	}
+	if n > 1 {
+		return fmt.Errorf("sync.nats: creds_file, user/password and token are exclusive")
+	}
+	return nil
 }
 
 // HealthConfig tunes endpoint ejection.
@@ -239,6 +297,9 @@ func (c *FileConfig) Validate() error {
 		return fmt.Errorf("tokenizer.timeout_secs: must be > 0, got %v", c.Tokenizer.TimeoutSecs)
 	}
 	if err := c.Discovery.validate(len(c.Endpoints) > 0); err != nil {
+		return err
+	}
+	if err := c.Sync.validate(); err != nil {
 		return err
 	}
 	for name, m := range c.Models {

@@ -106,6 +106,12 @@ type ServeOptions struct {
 	PoolNamespace   string
 	KubeSelector    string
 	KubeTargetPorts string
+	// SyncNATS are the NATS servers shared with the other replicas of the
+	// pool (comma list; overrides the config's sync.nats.servers), and
+	// ReplicaID this replica's id among them (default: hostname and a
+	// random suffix).
+	SyncNATS  string
+	ReplicaID string
 	// set records the flags given explicitly, with their values.
 	set map[string]string
 }
@@ -156,6 +162,8 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.KubeTargetPorts, "kube-target-ports", "", "Kubernetes discovery without an InferencePool: worker ports of each Pod, comma list")
 	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file for the Kubernetes API server (discovery, --leader-elect); empty: in-cluster service account, else $KUBECONFIG or ~/.kube/config")
 	o.LeaderElect.AddFlags(fs)
+	fs.StringVar(&o.SyncNATS, "sync-nats", "", "active-active replicas: NATS URL[,URL...] shared by the replicas of the pool (in-flight decisions, outcomes); auth, TLS and intervals in the config's sync section; off when empty")
+	fs.StringVar(&o.ReplicaID, "replica-id", "", "this replica's id among the --sync-nats peers, unique in the pool (default: hostname-<6 random hex>)")
 }
 
 // Validate checks the options.
@@ -215,6 +223,9 @@ func (o *ServeOptions) Validate() error {
 	errs = append(errs, o.Admin.Validate(o.TLS)...)
 	if err := o.LeaderElect.Validate(); err != nil {
 		errs = append(errs, err)
+	}
+	if len(o.ReplicaID) > 128 {
+		errs = append(errs, errors.New("--replica-id: at most 128 bytes"))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("%w: %w", ErrUsage, err)
@@ -529,7 +540,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		if o.Admin.TLS {
 			ml = httpTLS(ml, tlsSrc)
 		}
-		hsrv = newAdminServer(o.Admin, adminState{reg: reg, engine: engine, hub: hub, policy: pol.Name(), ep: ep})
+		hsrv = newAdminServer(o.Admin, adminState{reg: reg, engine: engine, hub: hub, policy: pol.Name(), ep: ep, sync: parts.sync})
 	}
 	var pl net.Listener
 	var psrv *http.Server

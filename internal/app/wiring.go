@@ -1,9 +1,12 @@
 package app
 
 import (
+	crand "crypto/rand"
 	"fmt"
 	"log/slog"
+	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -15,12 +18,16 @@ import (
 	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
 	"github.com/kvbandit/kvbandit/routing/policy/thompson"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
+	rsync "github.com/kvbandit/kvbandit/routing/sync"
 )
 
 // engineParts is what buildEngine wires up; close releases it in order.
 type engineParts struct {
 	engine *routing.Engine
 	policy routing.Policy
+	// sync shares state with the pool's other replicas; nil without
+	// --sync-nats / sync.nats.servers.
+	sync   *rsync.Syncer
 	closes []func()
 }
 
@@ -115,6 +122,12 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 		}
 		parts.closes = append(parts.closes, func() { _ = dlog.Close() })
 	}
+	sy, err := newSyncer(o, cfg, log, reg)
+	if err != nil {
+		parts.close()
+		return nil, err
+	}
+	parts.sync = sy
 	opts := cfg.engineOptions(o.Fallbacks)
 	opts.Admission.OnWait = func(d time.Duration) { rm.queueWait.Observe(d.Seconds()) }
 	bs := float64(cfg.Router.BlockSize)
@@ -132,6 +145,14 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 			if dlog != nil {
 				dlog.Record(record(req, d))
 			}
+			if sy != nil {
+				sy.OnDecision(req, d)
+			}
+		},
+		OnFirst: func(d *routing.Decision) {
+			if sy != nil {
+				sy.OnFirst(d)
+			}
 		},
 		OnTimings: func(tm routing.Timings) {
 			rm.phHash.Observe(tm.Hash.Seconds())
@@ -144,6 +165,9 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 				rm.cachedPred.Add(float64(d.Overlap) * bs)
 				rm.cachedReported.Add(float64(out.CachedTokens))
 			}
+			if sy != nil {
+				sy.OnDone(d, out)
+			}
 		},
 	})
 	if err != nil {
@@ -152,6 +176,16 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 	}
 	parts.closes = append(parts.closes, engine.Close)
 	parts.engine = engine
+	if sy != nil {
+		// Closed before the engine (closes run in reverse): a peer's
+		// decision applied after the engine's Close would panic.
+		parts.closes = append(parts.closes, func() { _ = sy.Close() })
+		if err := sy.Start(engine); err != nil {
+			parts.close()
+			return nil, fmt.Errorf("%w: sync: %w", ErrUsage, err)
+		}
+		log.Info("active-active replicas: sharing state over NATS", "replica", sy.Status().Replica, "pool", sy.Status().Pool, "subject", sy.Subject())
+	}
 	reg.MustRegister(routing.NewCollector(engine))
 	if kb, ok := pol.(*kvbandit.Policy); ok {
 		reg.MustRegister(posteriorCollector{kb})
@@ -160,6 +194,55 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 		reg.MustRegister(thompsonCollector{tp})
 	}
 	return parts, nil
+}
+
+// newSyncer makes the routing/sync Syncer when NATS servers are given
+// (--sync-nats, else sync.nats.servers); nil otherwise. The pool is
+// --pool-name, else --etcd-pool with etcd discovery, else "default".
+func newSyncer(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus.Registerer) (*rsync.Syncer, error) {
+	sc := cfg.Sync
+	servers := sc.NATS.Servers
+	if o.SyncNATS != "" {
+		servers = nil
+		for _, u := range strings.Split(o.SyncNATS, ",") {
+			if u = strings.TrimSpace(u); u != "" {
+				servers = append(servers, u)
+			}
+		}
+	}
+	if len(servers) == 0 {
+		return nil, nil
+	}
+	pool := "default"
+	switch {
+	case o.PoolName != "":
+		pool = o.PoolName
+	case o.EtcdEndpoints != "" && o.EtcdPool != "":
+		pool = o.EtcdPool
+	}
+	replica := o.ReplicaID
+	if replica == "" {
+		host, _ := os.Hostname()
+		if host == "" {
+			host = "kvbandit"
+		}
+		var b [3]byte
+		_, _ = crand.Read(b[:])
+		replica = fmt.Sprintf("%.120s-%x", host, b)
+	}
+	ms := func(n int) time.Duration { return time.Duration(n) * time.Millisecond }
+	n := sc.NATS
+	sy, err := rsync.New(rsync.Config{
+		Servers: servers, Pool: pool, Replica: replica, SubjectPrefix: n.SubjectPrefix,
+		CredsFile: n.CredsFile, User: n.User, Password: n.Password, Token: n.Token,
+		TLS:           rsync.TLSConfig{CA: n.TLS.CA, Cert: n.TLS.Cert, Key: n.TLS.Key, ServerName: n.TLS.ServerName, InsecureSkipVerify: n.TLS.InsecureSkipVerify},
+		BatchInterval: ms(sc.BatchIntervalMs), SnapshotInterval: ms(sc.SnapshotIntervalMs),
+		HeartbeatInterval: ms(sc.HeartbeatIntervalMs), PeerTTL: ms(sc.PeerTTLMs),
+	}, rsync.Deps{Logger: log, Registry: reg})
+	if err != nil {
+		return nil, fmt.Errorf("%w: sync: %w", ErrUsage, err)
+	}
+	return sy, nil
 }
 
 // record turns a decision into a decision-log record.
