@@ -698,7 +698,10 @@ func TestServedEndpointDiffers(t *testing.T) {
 
 func TestShutdownDuringStream(t *testing.T) {
 	ws, addrs := startWorkers(t, 1, worker.Config{TokenDelay: time.Millisecond})
-	k := startKvbandit(t, addrs, "--drain-timeout", "300ms")
+	// --stop-grace far above the generation's length: on a loaded machine
+	// 3,000 tokens took over the default 5 s, and the cut at the grace
+	// deadline (by design) failed the test.
+	k := startKvbandit(t, addrs, "--drain-timeout", "300ms", "--stop-grace", "2m")
 	p := startProxy(t, k, envoysim.Config{})
 	resp, rd := openStream(t, t.Context(), httpClient(t), p.URL()+chatPath, streamRequest(3000))
 	defer resp.Body.Close()
