@@ -53,6 +53,9 @@ type benchOptions struct {
 	seed                                              int64
 	kvEvents, strict                                  bool
 	agentic                                           trace.AgenticConfig
+	replicas                                          int
+	sync                                              string
+	syncDelay, scrapeInterval                         time.Duration
 }
 
 func (o *benchOptions) addFlags(fs *flag.FlagSet) {
@@ -72,6 +75,10 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.limit, "limit", 0, "replay only the first N requests (0: all)")
 	fs.BoolVar(&o.kvEvents, "kv-events", true, "workers publish KV events into the engine's index (false: the router's approximate index only)")
 	fs.BoolVar(&o.strict, "strict", false, "a malformed trace line is fatal (default: skipped, counted and reported)")
+	fs.IntVar(&o.replicas, "replicas", 1, fmt.Sprintf("pickers: independent routing engines in front of the fleet, each request entering through one at random (1 to %d)", sim.MaxReplicas))
+	fs.StringVar(&o.sync, "sync", "none", "what the replicas share: none, or nats (a model of serve --sync-nats: every decision's start, first token, end and outcome applied on the other replicas after --sync-delay)")
+	fs.DurationVar(&o.syncDelay, "sync-delay", sim.DefaultSyncDelay, "--sync nats: publish-to-apply latency, in virtual time")
+	fs.DurationVar(&o.scrapeInterval, "scrape-interval", 0, "how often the workers' load reaches the engines (serve scrapes every 1s); 0: after every change")
 	a := &o.agentic
 	fs.IntVar(&a.Sessions, "sessions", 800, "agentic: number of sessions")
 	fs.Float64Var(&a.SessionRate, "session-rate", 8, "agentic: session arrivals per second (Poisson)")
@@ -103,6 +110,18 @@ func (o *benchOptions) validate() ([]float64, error) {
 	}
 	if o.routerBlock < 0 || o.kvBlocks <= 0 || o.blockSize <= 0 || o.limit < 0 {
 		return nil, errors.New("--router-block-size and --limit must be >= 0, --kv-blocks and --block-size > 0")
+	}
+	if o.replicas < 1 || o.replicas > sim.MaxReplicas {
+		return nil, fmt.Errorf("--replicas %d: want 1 to %d", o.replicas, sim.MaxReplicas)
+	}
+	if _, err := sim.ParseSync(o.sync); err != nil {
+		return nil, fmt.Errorf("--sync %q: want none or nats", o.sync)
+	}
+	if o.syncDelay < 0 || o.syncDelay > sim.MaxSyncDelay {
+		return nil, fmt.Errorf("--sync-delay %v: want 0 to %v", o.syncDelay, sim.MaxSyncDelay)
+	}
+	if o.scrapeInterval < 0 || o.scrapeInterval > time.Hour {
+		return nil, fmt.Errorf("--scrape-interval %v: want 0 to 1h", o.scrapeInterval)
 	}
 	speeds := make([]float64, o.workers)
 	for i := range speeds {
@@ -163,8 +182,12 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	bounds := trace.ComputeBounds(reqs, o.blockSize, o.workers*o.kvBlocks)
 	logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	sync, _ := sim.ParseSync(o.sync) // checked by validate
 	results, err := runPolicies(ctx, names, func(name string) sim.Config {
-		return sim.Config{Workers: workers, Policy: name, Policies: policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger}
+		return sim.Config{
+			Workers: workers, Policy: name, Policies: policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger,
+			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrapeInterval,
+		}
 	}, reqs)
 	if err != nil {
 		return err
@@ -172,8 +195,11 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	rep := benchReport{
 		Trace: desc, Format: o.format, Requests: len(reqs), Workers: o.workers, SpeedFactors: speeds,
 		RateScale: o.effectiveRateScale(), KVBlocks: o.kvBlocks, BlockSize: o.blockSize, RouterBlockSize: o.routerBlock,
-		KVEvents: o.kvEvents, Seed: o.seed,
+		KVEvents: o.kvEvents, Seed: o.seed, ScrapeIntervalSec: o.scrapeInterval.Seconds(),
 		Bounds: benchBounds{Infinite: bounds.Infinite, Finite: bounds.Finite, FiniteCapacityTokens: int64(bounds.CapacityBlocks) * int64(bounds.BlockSize), PromptTokens: bounds.PromptTokens},
+	}
+	if o.replicas > 1 {
+		rep.Replicas, rep.Sync, rep.SyncDelaySec = o.replicas, o.sync, o.syncDelay.Seconds()
 	}
 	for _, r := range results {
 		rep.Policies = append(rep.Policies, summarize(r, reqs, bounds))
@@ -301,19 +327,27 @@ func runPolicies(ctx context.Context, names []string, config func(string) sim.Co
 
 // benchReport is the --json output.
 type benchReport struct {
-	Trace           string          `json:"trace"`
-	Format          string          `json:"format"`
-	Requests        int             `json:"requests"`
-	Workers         int             `json:"workers"`
-	SpeedFactors    []float64       `json:"speed_factors"`
-	RateScale       float64         `json:"rate_scale"`
-	KVBlocks        int             `json:"kv_blocks_per_worker"`
-	BlockSize       int             `json:"block_size"`
-	RouterBlockSize int             `json:"router_block_size"`
-	KVEvents        bool            `json:"kv_events"`
-	Seed            int64           `json:"seed"`
-	Bounds          benchBounds     `json:"bounds"`
-	Policies        []policySummary `json:"policies"`
+	Trace           string    `json:"trace"`
+	Format          string    `json:"format"`
+	Requests        int       `json:"requests"`
+	Workers         int       `json:"workers"`
+	SpeedFactors    []float64 `json:"speed_factors"`
+	RateScale       float64   `json:"rate_scale"`
+	KVBlocks        int       `json:"kv_blocks_per_worker"`
+	BlockSize       int       `json:"block_size"`
+	RouterBlockSize int       `json:"router_block_size"`
+	KVEvents        bool      `json:"kv_events"`
+	Seed            int64     `json:"seed"`
+	// ScrapeIntervalSec is --scrape-interval (0: load after every change).
+	ScrapeIntervalSec float64 `json:"scrape_interval_s,omitempty"`
+	// Replicas, Sync and SyncDelaySec are --replicas, --sync and
+	// --sync-delay, with several replicas only (one replica is the run
+	// without replicas).
+	Replicas     int             `json:"replicas,omitempty"`
+	Sync         string          `json:"sync,omitempty"`
+	SyncDelaySec float64         `json:"sync_delay_s,omitempty"`
+	Bounds       benchBounds     `json:"bounds"`
+	Policies     []policySummary `json:"policies"`
 }
 
 type benchBounds struct {
@@ -340,11 +374,18 @@ type policySummary struct {
 	DecisionsSec    float64 `json:"decisions_per_s"`
 	// Affinity is the share of requests with a PrefixID hint served by
 	// their session's most used worker (0 when no request has one).
-	Affinity          float64   `json:"session_affinity,omitempty"`
-	SpanSec           float64   `json:"span_s"`
-	WallSec           float64   `json:"wall_s"`
-	RequestsPerWorker []int     `json:"requests_per_worker"`
-	BusyPerWorker     []float64 `json:"busy_s_per_worker"`
+	Affinity float64 `json:"session_affinity,omitempty"`
+	// With several replicas: the requests that entered through each,
+	// and, with sync, the sync items and messages (batched over the sync
+	// delay) per decision and the items a peer refused.
+	EnteredPerReplica   []int     `json:"requests_per_replica,omitempty"`
+	ItemsPerDecision    float64   `json:"sync_items_per_decision,omitempty"`
+	MessagesPerDecision float64   `json:"sync_messages_per_decision,omitempty"`
+	SyncErrors          int       `json:"sync_errors,omitempty"`
+	SpanSec             float64   `json:"span_s"`
+	WallSec             float64   `json:"wall_s"`
+	RequestsPerWorker   []int     `json:"requests_per_worker"`
+	BusyPerWorker       []float64 `json:"busy_s_per_worker"`
 }
 
 func summarize(r *sim.Result, reqs []sim.Request, b trace.Bounds) policySummary {
@@ -386,6 +427,14 @@ func summarize(r *sim.Result, reqs []sim.Request, b trace.Bounds) policySummary 
 		s.DecisionsSec = float64(r.Decisions) / r.DecisionTime.Seconds()
 	}
 	s.Affinity = affinity(r, reqs)
+	if r.Replicas > 1 {
+		s.EnteredPerReplica = r.Entered
+		s.MessagesPerDecision = r.MessagesPerDecision()
+		if r.Decisions > 0 {
+			s.ItemsPerDecision = float64(r.SyncItems) / float64(r.Decisions)
+		}
+		s.SyncErrors = r.SyncErrors
+	}
 	return s
 }
 
@@ -430,6 +479,16 @@ func pct(sorted []time.Duration, p float64) float64 {
 func (rep *benchReport) print(w io.Writer) {
 	fmt.Fprintf(w, "trace %s (%s): %d requests, rate scale %g; %d workers (speed %s), %d KV blocks of %d tokens each\n",
 		rep.Trace, rep.Format, rep.Requests, rep.RateScale, rep.Workers, fmtSpeeds(rep.SpeedFactors), rep.KVBlocks, rep.BlockSize)
+	if rep.Replicas > 1 {
+		fmt.Fprintf(w, "%d replicas, sync %s", rep.Replicas, rep.Sync)
+		if rep.Sync != "none" {
+			fmt.Fprintf(w, " (delay %v)", time.Duration(rep.SyncDelaySec*float64(time.Second)))
+		}
+		fmt.Fprintln(w)
+	}
+	if rep.ScrapeIntervalSec > 0 {
+		fmt.Fprintf(w, "load scraped every %v\n", time.Duration(rep.ScrapeIntervalSec*float64(time.Second)))
+	}
 	fmt.Fprintf(w, "KV hit-rate bounds: infinite cache %.1f%%, finite cache (one LRU of %d tokens) %.1f%%\n\n",
 		100*rep.Bounds.Infinite, rep.Bounds.FiniteCapacityTokens, 100*rep.Bounds.Finite)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
@@ -441,6 +500,10 @@ func (rep *benchReport) print(w io.Writer) {
 	if hinted {
 		head += "affinity\t"
 	}
+	synced := rep.Replicas > 1 && rep.Sync != "none"
+	if synced {
+		head += "msgs/decision\t"
+	}
 	fmt.Fprintln(tw, head)
 	for _, p := range rep.Policies {
 		line := fmt.Sprintf("%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t%.1f%%\t%.0f%%\t%.2f\t%.0f\t%d\t",
@@ -448,6 +511,9 @@ func (rep *benchReport) print(w io.Writer) {
 			p.OutputTokensSec, 100*p.HitRate, 100*p.OfFinite, p.Imbalance, p.DecisionsSec, p.Failed)
 		if hinted {
 			line += fmt.Sprintf("%.1f%%\t", 100*p.Affinity)
+		}
+		if synced {
+			line += fmt.Sprintf("%.2f\t", p.MessagesPerDecision)
 		}
 		fmt.Fprintln(tw, line)
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -128,6 +129,11 @@ func TestBenchUsageErrors(t *testing.T) {
 		{[]string{"--trace", empty}, false, "empty trace"},
 		{[]string{"--trace", bad, "--strict"}, false, "line 2: missing timestamp"},
 		{[]string{"--format", "agentic", "--session-rate", "-1"}, true, "session rate"},
+		{[]string{"--trace", good, "--replicas", "0"}, true, "--replicas 0"},
+		{[]string{"--trace", good, "--replicas", "65"}, true, "--replicas 65"},
+		{[]string{"--trace", good, "--replicas", "2", "--sync", "etcd"}, true, "--sync"},
+		{[]string{"--trace", good, "--replicas", "2", "--sync-delay", "-1ms"}, true, "--sync-delay"},
+		{[]string{"--trace", good, "--scrape-interval", "-1s"}, true, "--scrape-interval"},
 	} {
 		_, errOut, err := run(t, append([]string{"bench", "--policy", "round_robin"}, c.args...)...)
 		if err == nil || errors.Is(err, ErrUsage) != c.usage || !strings.Contains(err.Error(), c.want) {
@@ -185,5 +191,69 @@ func TestBenchRealMooncake(t *testing.T) {
 	// Prefix-aware routing must find more cache than blind spreading.
 	if byName["kvbandit"].HitRate <= byName["round_robin"].HitRate {
 		t.Errorf("kvbandit hit rate %.3f <= round_robin %.3f", byName["kvbandit"].HitRate, byName["round_robin"].HitRate)
+	}
+}
+
+// benchJSON runs bench with args and returns its --json report with the
+// wall-clock fields zeroed.
+func benchJSON(t *testing.T, args ...string) (benchReport, string) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "out.json")
+	out, errOut, err := run(t, append(append([]string{"bench"}, args...), "--json", path)...)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errOut)
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep benchReport
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatal(err)
+	}
+	for i := range rep.Policies {
+		rep.Policies[i].WallSec, rep.Policies[i].DecisionsSec = 0, 0
+	}
+	return rep, out
+}
+
+// TestBenchOneReplicaIsToday: --replicas 1 (whatever --sync says) gives
+// the run without the flag, figure for figure.
+func TestBenchOneReplicaIsToday(t *testing.T) {
+	t.Parallel()
+	args := []string{"--format", "agentic", "--workers", "4", "--policy", "kv,kvbandit,thompson",
+		"--sessions", "16", "--turns", "4", "--session-rate", "4", "--think-time", "2s", "--input-len", "200", "--output-len", "40"}
+	today, out := benchJSON(t, args...)
+	one, outOne := benchJSON(t, append(args, "--replicas", "1", "--sync", "nats", "--sync-delay", "5ms")...)
+	if !reflect.DeepEqual(today, one) {
+		t.Fatalf("--replicas 1 differs:\n%+v\n%+v", today, one)
+	}
+	if strings.Contains(outOne, "replicas") || strings.Contains(outOne, "msgs/decision") || strings.Count(out, "\n") != strings.Count(outOne, "\n") {
+		t.Fatalf("one replica's table is not today's:\n%s\n%s", out, outOne)
+	}
+}
+
+func TestBenchReplicas(t *testing.T) {
+	t.Parallel()
+	args := []string{"--format", "agentic", "--workers", "4", "--policy", "kvbandit", "--replicas", "4",
+		"--sessions", "16", "--turns", "4", "--session-rate", "4", "--think-time", "2s", "--input-len", "200", "--output-len", "40"}
+	nats, out := benchJSON(t, append(args, "--sync", "nats", "--scrape-interval", "1s")...)
+	for _, want := range []string{"4 replicas, sync nats (delay 2ms)", "load scraped every 1s", "msgs/decision", "affinity"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+	p := nats.Policies[0]
+	entered := 0
+	for _, n := range p.EnteredPerReplica {
+		entered += n
+	}
+	if nats.Replicas != 4 || nats.Sync != "nats" || nats.SyncDelaySec != 0.002 || nats.ScrapeIntervalSec != 1 ||
+		len(p.EnteredPerReplica) != 4 || entered != 64 || p.ItemsPerDecision != 4 || p.MessagesPerDecision <= 0 || p.MessagesPerDecision > 4 || p.SyncErrors != 0 {
+		t.Fatalf("report %+v, policy %+v", nats, p)
+	}
+	none, out := benchJSON(t, append(args, "--sync", "none")...)
+	if strings.Contains(out, "msgs/decision") || !strings.Contains(out, "4 replicas, sync none\n") || none.Policies[0].ItemsPerDecision != 0 {
+		t.Fatalf("sync none:\n%s\n%+v", out, none.Policies[0])
 	}
 }

@@ -23,4 +23,17 @@
 // event up to the next request completion; an arrival on the worker cuts
 // the run at the step in progress, so the result is the same as stepping
 // one token at a time.
+//
+// # Replicas
+//
+// With Config.Replicas R > 1 the fleet sits behind R pickers: R
+// independent engines with the same policy and options, each with its own
+// random source (seeded from Config.Seed), prefix store and index, all on
+// the one virtual clock. Each request enters through a replica chosen at
+// random (seeded). The workers' own signals reach every replica (load,
+// every Config.ScrapeInterval; KV events, which vLLM publishes to every
+// subscriber). With SyncNone that is all they share; SyncNATS models
+// routing/sync: each decision's start, first token, end and outcome are
+// applied on every other replica Config.SyncDelay later. One replica is
+// exactly the run without replicas.
 package sim

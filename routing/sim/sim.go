@@ -15,7 +15,6 @@ import (
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy"
-	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
 // Request is one request of a trace.
@@ -63,12 +62,35 @@ type Config struct {
 	KVEvents        bool           // true: workers' KV events feed the engine's index (exact, trusted); false: approximate index only
 	Seed            int64
 	Logger          *slog.Logger
+
+	// Replicas is the number of pickers: independent engines (same policy
+	// and options, each its own random source, prefix store and index)
+	// in front of the one fleet, as kvbandit serve replicas behind as
+	// many Envoys. Each request enters through one of them chosen at
+	// random (seeded by Seed). 0 or 1: one engine, exactly the run
+	// without replicas. At most MaxReplicas.
+	Replicas int
+	// Sync is what the replicas share beyond the workers' own signals
+	// (scraped load and KV events reach every replica): SyncNone or
+	// SyncNATS, the model of the NATS sync. Ignored with one replica.
+	Sync Sync
+	// SyncDelay is SyncNATS's publish-to-apply latency in virtual time
+	// (0: applied at once). At most MaxSyncDelay.
+	SyncDelay time.Duration
+	// ScrapeInterval is how often the workers' load (waiting and running
+	// requests, KV usage) reaches the engines, as serve's --scrape-interval
+	// (1 s there). 0: after every change of a worker, an oracle no scraper
+	// matches. A stale load leaves the engines with what they count
+	// themselves (their in-flight decisions), which is what replicas
+	// share.
+	ScrapeInterval time.Duration
 }
 
 // ReqResult is what happened to one request (in the order of the input).
 // Worker is -1 and Err set when the request was not served.
 type ReqResult struct {
 	Worker                                   int
+	Replica                                  int // the replica it entered through
 	Arrival, TTFT, E2E                       time.Duration
 	PromptTokens, CachedTokens, OutputTokens int
 	Err                                      string
@@ -101,9 +123,31 @@ type Result struct {
 	// inside engine.Pick.
 	Decisions    int
 	DecisionTime time.Duration
-	// KVEventErrors counts KV events the engine's index refused (0 unless
-	// something is broken).
+	// KVEventErrors counts KV events the engines' indexes refused (0
+	// unless something is broken).
 	KVEventErrors int
+
+	// Replicas and Sync are the run's (Replicas at least 1); Entered is
+	// the requests that entered through each replica.
+	Replicas int
+	Sync     Sync
+	Entered  []int
+	// SyncItems counts the sync items the replicas published (a start, a
+	// first token, an end and an outcome per decision), SyncMessages the
+	// messages that carried them (a replica's batch takes every item of
+	// one SyncDelay), SyncErrors the items a peer refused (0 unless
+	// something is broken). SyncOpen is the decisions still applied on
+	// peers at the end, after the last items were delivered (0: every
+	// end reached every peer). All 0 with SyncNone.
+	SyncItems, SyncMessages, SyncErrors, SyncOpen int
+}
+
+// MessagesPerDecision is SyncMessages over Decisions (0 without any).
+func (r *Result) MessagesPerDecision() float64 {
+	if r.Decisions == 0 {
+		return 0
+	}
+	return float64(r.SyncMessages) / float64(r.Decisions)
 }
 
 // HitRate is the fraction of served prompt tokens found in a worker's
@@ -184,8 +228,14 @@ func validate(cfg *Config, reqs []Request) ([]WorkerConfig, error) {
 			return nil, err
 		}
 	}
+	if err := validateReplicas(cfg); err != nil {
+		return nil, err
+	}
 	if cfg.RouterBlockSize < 0 {
 		return nil, fmt.Errorf("%w: negative RouterBlockSize %d", ErrWorkerConfig, cfg.RouterBlockSize)
+	}
+	if cfg.ScrapeInterval < 0 || cfg.ScrapeInterval > maxScrapeInterval {
+		return nil, fmt.Errorf("%w: scrape interval %v (want 0 to %v)", ErrWorkerConfig, cfg.ScrapeInterval, maxScrapeInterval)
 	}
 	var last time.Duration
 	for i, ch := range cfg.Schedule {
@@ -229,6 +279,9 @@ const staleAfter = 1000 * time.Hour
 // sampleEvery is the queue sampling period.
 const sampleEvery = time.Second
 
+// maxScrapeInterval bounds Config.ScrapeInterval.
+const maxScrapeInterval = time.Hour
+
 // EndpointKey is the fake address of worker i: 10.0.0.(i+1):8000 for the
 // first 255 workers.
 func EndpointKey(i int) routing.EndpointKey {
@@ -250,32 +303,28 @@ func Run(ctx context.Context, cfg Config, reqs []Request) (*Result, error) {
 		log = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
 	vc := clock.NewVirtual(epoch)
-	rnd := routing.NewRand(cfg.Seed)
-	// The hint-aware policies share one prefix store, as serve wires them.
-	store, err := prefixstate.New(prefixstate.Config{}, vc)
-	if err != nil {
-		return nil, fmt.Errorf("sim: %w", err)
-	}
-	defer store.Close()
-	pol, err := policy.Builtin().New(cfg.Policy, policy.Deps{Logger: log, Clock: vc, Rand: rnd, Config: cfg.Policies, Prefixes: store})
-	if err != nil {
-		return nil, fmt.Errorf("sim: %w", err)
-	}
-	if c, ok := pol.(interface{ Close() error }); ok {
-		defer c.Close()
-	}
 	rbs := cfg.RouterBlockSize
 	if rbs == 0 {
 		rbs = wcs[0].BlockSize
 	}
-	eng, err := routing.NewEngine(pol, routing.Options{BlockSize: rbs, SyncIndex: true, StaleAfter: staleAfter}, routing.Deps{Logger: log, Clock: vc, Rand: rnd})
-	if err != nil {
-		return nil, fmt.Errorf("sim: %w", err)
-	}
-	defer eng.Close()
 	s := &simulation{
-		ctx: ctx, eng: eng, vc: vc, reqs: reqs, log: log,
-		res: &Result{Policy: cfg.Policy, Requests: make([]ReqResult, len(reqs)), Workers: make([]WorkerResult, len(wcs))},
+		ctx: ctx, vc: vc, reqs: reqs, log: log, syncDelay: cfg.SyncDelay, scrapeEvery: cfg.ScrapeInterval,
+		res: &Result{
+			Policy: cfg.Policy, Requests: make([]ReqResult, len(reqs)), Workers: make([]WorkerResult, len(wcs)),
+			Replicas: max(cfg.Replicas, 1), Entered: make([]int, max(cfg.Replicas, 1)),
+		},
+	}
+	defer s.shut()
+	for i := range s.res.Replicas {
+		r, err := s.newReplica(&cfg, i, rbs)
+		if err != nil {
+			return nil, err
+		}
+		s.reps = append(s.reps, r)
+	}
+	if len(s.reps) > 1 {
+		s.res.Sync = cfg.Sync
+		s.entryRand = routing.NewRand(entrySeed(cfg.Seed))
 	}
 	set := routing.EndpointSet{Source: "sim"}
 	for i, wc := range wcs {
@@ -286,19 +335,24 @@ func Run(ctx context.Context, cfg Config, reqs []Request) (*Result, error) {
 		s.workers = append(s.workers, w)
 		s.keys = append(s.keys, key)
 	}
-	if err := eng.Update(set); err != nil {
-		return nil, fmt.Errorf("sim: %w", err)
+	for _, r := range s.reps {
+		if err := r.eng.Update(set); err != nil {
+			return nil, fmt.Errorf("sim: %w", err)
+		}
 	}
 	s.byKey = make(map[routing.EndpointKey]int, len(s.keys))
 	for i, k := range s.keys {
 		s.byKey[k] = i
-		eng.TrustKVEvents(k, cfg.KVEvents)
-		eng.ReportLoad(k, s.workers[i].load(), wcs[i].BlockSize)
+		for _, r := range s.reps {
+			r.eng.TrustKVEvents(k, cfg.KVEvents)
+			r.eng.ReportLoad(k, s.workers[i].load(), wcs[i].BlockSize)
+		}
 	}
 	if err := s.loop(cfg.Schedule); err != nil {
 		return nil, err
 	}
 	s.abandon()
+	s.flushSync()
 	for i, w := range s.workers {
 		s.res.Workers[i] = w.stats
 	}
@@ -310,16 +364,22 @@ func Run(ctx context.Context, cfg Config, reqs []Request) (*Result, error) {
 }
 
 type simulation struct {
-	ctx     context.Context
-	eng     *routing.Engine
-	vc      *clock.Virtual
-	log     *slog.Logger
-	reqs    []Request
-	workers []*worker
-	keys    []routing.EndpointKey
-	byKey   map[routing.EndpointKey]int
-	events  stepHeap
-	now     time.Duration
+	ctx context.Context
+	// reps are the replicas (pickers), at least one; entryRand chooses
+	// each request's with several.
+	reps      []*replica
+	entryRand *routing.Rand
+	syncDelay time.Duration
+	// scrapeEvery is Config.ScrapeInterval.
+	scrapeEvery time.Duration
+	vc          *clock.Virtual
+	log         *slog.Logger
+	reqs        []Request
+	workers     []*worker
+	keys        []routing.EndpointKey
+	byKey       map[routing.EndpointKey]int
+	events      stepHeap
+	now         time.Duration
 	// open holds the requests not finished, by index (nil when done).
 	open     []*active
 	lastDone time.Duration
@@ -328,10 +388,13 @@ type simulation struct {
 
 func (s *simulation) hook(w *worker, key routing.EndpointKey, events bool) {
 	if events {
+		// Every replica subscribes to every worker's KV events.
 		w.onEvent = func(ev kvindex.Event) {
-			if err := s.eng.ApplyKVEvent(key, -1, ev); err != nil {
-				s.res.KVEventErrors++
-				s.log.Debug("kv event refused", "endpoint", key, "err", err)
+			for _, r := range s.reps {
+				if err := r.eng.ApplyKVEvent(key, -1, ev); err != nil {
+					s.res.KVEventErrors++
+					s.log.Debug("kv event refused", "endpoint", key, "replica", r.idx, "err", err)
+				}
 			}
 		}
 	}
@@ -370,16 +433,37 @@ func (s *simulation) after(i int, rescheduled bool) {
 	if rescheduled && w.busy {
 		s.events.push(stepEvent{at: w.end, worker: int32(i), gen: w.gen})
 	}
-	s.eng.ReportLoad(s.keys[i], w.load(), 0)
+	if s.scrapeEvery == 0 {
+		s.reportLoad(i)
+	}
+}
+
+// reportLoad publishes worker i's load to every replica: scraped from the
+// worker, it is the same for all.
+func (s *simulation) reportLoad(i int) {
+	ld := s.workers[i].load()
+	for _, r := range s.reps {
+		r.eng.ReportLoad(s.keys[i], ld, 0)
+	}
+}
+
+// shut closes every replica, the last built first.
+func (s *simulation) shut() {
+	for i := len(s.reps) - 1; i >= 0; i-- {
+		s.reps[i].shut()
+	}
 }
 
 func (s *simulation) loop(schedule []Change) error {
 	const never = time.Duration(math.MaxInt64)
 	s.open = make([]*active, len(s.reqs))
 	next, change := 0, 0
-	sample := never
+	sample, scrape := never, never
 	if len(s.reqs) > 0 {
 		sample = s.reqs[0].Arrival
+		if s.scrapeEvery > 0 {
+			scrape = s.reqs[0].Arrival
+		}
 	}
 	for iter := 0; ; iter++ {
 		if iter&1023 == 0 {
@@ -401,10 +485,18 @@ func (s *simulation) loop(schedule []Change) error {
 		if t == never {
 			return nil
 		}
-		if sample <= t {
+		if sample <= t && sample <= scrape {
 			s.advance(sample)
 			s.sample(sample)
 			sample += sampleEvery
+			continue
+		}
+		if scrape <= t {
+			s.advance(scrape)
+			for i := range s.workers {
+				s.reportLoad(i)
+			}
+			scrape += s.scrapeEvery
 			continue
 		}
 		s.advance(t)
@@ -432,12 +524,15 @@ func (s *simulation) arrive(i int) {
 	r := &s.reqs[i]
 	rr := &s.res.Requests[i]
 	rr.Worker, rr.Arrival, rr.PromptTokens = -1, r.Arrival, len(r.Tokens)
+	rep := s.entry()
+	rr.Replica = rep.idx
+	s.res.Entered[rep.idx]++
 	req := &routing.Request{
 		ID: strconv.Itoa(i), Model: routing.ModelName(r.Model), Tenant: r.Tenant,
 		Tokens: r.Tokens, TokenCount: len(r.Tokens), Hints: r.Hints, Arrival: s.vc.Now(),
 	}
 	t0 := time.Now()
-	d, err := s.eng.Pick(s.ctx, req)
+	d, err := rep.eng.Pick(s.ctx, req)
 	s.res.DecisionTime += time.Since(t0)
 	if err != nil {
 		rr.Err = "route: " + err.Error()
@@ -466,7 +561,9 @@ func (s *simulation) sample(at time.Duration) {
 	q := QueueSample{At: at, Waiting: make([]int, len(s.workers)), Running: make([]int, len(s.workers))}
 	for i, w := range s.workers {
 		q.Waiting[i], q.Running[i] = len(w.waiting), len(w.running)
-		s.eng.ReportLoad(s.keys[i], w.load(), 0)
+		if s.scrapeEvery == 0 {
+			s.reportLoad(i)
+		}
 	}
 	s.res.Queue = append(s.res.Queue, q)
 }

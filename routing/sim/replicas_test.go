@@ -1,0 +1,214 @@
+package sim_test
+
+import (
+	"errors"
+	"reflect"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/kvbandit/kvbandit/routing/policy"
+	"github.com/kvbandit/kvbandit/routing/sim"
+	"github.com/kvbandit/kvbandit/routing/sim/trace"
+)
+
+func runSim(t *testing.T, cfg sim.Config, reqs []sim.Request) *sim.Result {
+	t.Helper()
+	res, err := sim.Run(t.Context(), cfg, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res.Wall, res.DecisionTime = 0, 0
+	return res
+}
+
+// agentic is a small agentic workload: sessions with x-prefix-id hints
+// whose turns resend the whole history.
+func agentic(t *testing.T, sessions int, seed int64) []sim.Request {
+	t.Helper()
+	reqs, err := trace.Agentic(trace.AgenticConfig{Sessions: sessions, SessionRate: 4, Turns: 6, ThinkTime: 5 * time.Second, InputLen: 512, OutputLen: 128, Seed: seed})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return reqs
+}
+
+// sessionAffinity is the share of hinted requests served by their
+// session's most used worker.
+func sessionAffinity(res *sim.Result, reqs []sim.Request) float64 {
+	by := map[string]map[int]int{}
+	for i, q := range res.Requests {
+		id := reqs[i].Hints.PrefixID
+		if id == "" || q.Err != "" {
+			continue
+		}
+		if by[id] == nil {
+			by[id] = map[int]int{}
+		}
+		by[id][q.Worker]++
+	}
+	top, all := 0, 0
+	for _, w := range by {
+		m := 0
+		for _, n := range w {
+			m, all = max(m, n), all+n
+		}
+		top += m
+	}
+	return float64(top) / float64(max(all, 1))
+}
+
+func TestOneReplicaIsTheSingleEngine(t *testing.T) {
+	reqs := agentic(t, 30, 5)
+	for _, p := range policy.Builtin().Names() {
+		for _, scrape := range []time.Duration{0, time.Second} {
+			base := sim.Config{Workers: make([]sim.WorkerConfig, 4), Policy: p, KVEvents: scrape == 0, Seed: 9, ScrapeInterval: scrape}
+			one := base
+			one.Replicas, one.Sync, one.SyncDelay = 1, sim.SyncNATS, 2*time.Millisecond
+			a, b := runSim(t, base, reqs), runSim(t, one, reqs)
+			if !reflect.DeepEqual(a, b) {
+				t.Fatalf("%s (scrape %v): one replica with sync differs from the single engine", p, scrape)
+			}
+			if b.Replicas != 1 || b.Sync != sim.SyncNone || b.SyncItems != 0 || !slices.Equal(b.Entered, []int{len(reqs)}) {
+				t.Fatalf("%s: replicas %d sync %v items %d entered %v", p, b.Replicas, b.Sync, b.SyncItems, b.Entered)
+			}
+		}
+	}
+}
+
+func TestReplicasDeterministic(t *testing.T) {
+	reqs := agentic(t, 30, 6)
+	for _, p := range []string{"kvbandit", "thompson", "least_loaded"} {
+		for _, sync := range []sim.Sync{sim.SyncNone, sim.SyncNATS} {
+			cfg := sim.Config{Workers: make([]sim.WorkerConfig, 4), Policy: p, Seed: 11, Replicas: 4, Sync: sync, SyncDelay: 3 * time.Millisecond, ScrapeInterval: time.Second}
+			a, b := runSim(t, cfg, reqs), runSim(t, cfg, reqs)
+			if !reflect.DeepEqual(a, b) {
+				t.Fatalf("%s sync %v: two runs differ", p, sync)
+			}
+			entered := 0
+			for i, n := range a.Entered {
+				if n == 0 {
+					t.Fatalf("%s: replica %d saw no request: %v", p, i, a.Entered)
+				}
+				entered += n
+			}
+			if entered != len(reqs) || a.SyncErrors != 0 || a.SyncOpen != 0 {
+				t.Fatalf("%s sync %v: entered %v, sync errors %d, open %d", p, sync, a.Entered, a.SyncErrors, a.SyncOpen)
+			}
+			switch sync {
+			case sim.SyncNone:
+				if a.SyncItems != 0 || a.SyncMessages != 0 {
+					t.Fatalf("%s: sync none published %d items", p, a.SyncItems)
+				}
+			case sim.SyncNATS:
+				// A start, a first token, an end and an outcome per decision.
+				if a.SyncItems != 4*a.Decisions || a.SyncMessages <= 0 || a.SyncMessages > a.SyncItems {
+					t.Fatalf("%s: %d items, %d messages for %d decisions", p, a.SyncItems, a.SyncMessages, a.Decisions)
+				}
+			}
+		}
+	}
+	other := sim.Config{Workers: make([]sim.WorkerConfig, 4), Policy: "random", Seed: 12, Replicas: 4}
+	if a, b := runSim(t, other, reqs), runSim(t, sim.Config{Workers: make([]sim.WorkerConfig, 4), Policy: "random", Seed: 11, Replicas: 4}, reqs); slices.Equal(a.Entered, b.Entered) {
+		t.Fatalf("seeds 11 and 12 chose the same entry replicas: %v", a.Entered)
+	}
+}
+
+// TestReplicasSyncKeepsSessions: sessions whose turns enter through four
+// replicas keep their worker when the replicas share their decisions, and
+// lose it when they do not.
+func TestReplicasSyncKeepsSessions(t *testing.T) {
+	reqs := agentic(t, 60, 7)
+	cfg := sim.Config{Workers: make([]sim.WorkerConfig, 4), Policy: "kvbandit", KVEvents: true, Seed: 1, Replicas: 4, SyncDelay: 2 * time.Millisecond}
+	one := runSim(t, sim.Config{Workers: cfg.Workers, Policy: cfg.Policy, KVEvents: true, Seed: 1}, reqs)
+	none := runSim(t, cfg, reqs)
+	cfg.Sync = sim.SyncNATS
+	nats := runSim(t, cfg, reqs)
+	a1, an, as := sessionAffinity(one, reqs), sessionAffinity(none, reqs), sessionAffinity(nats, reqs)
+	t.Logf("affinity: one replica %.3f, four without sync %.3f, four with sync %.3f; messages/decision %.2f", a1, an, as, nats.MessagesPerDecision())
+	if as < 0.95 || as <= an {
+		t.Fatalf("affinity with sync %.3f, without %.3f (one replica %.3f)", as, an, a1)
+	}
+	if nats.SyncErrors != 0 || nats.SyncOpen != 0 {
+		t.Fatalf("sync errors %d, open %d", nats.SyncErrors, nats.SyncOpen)
+	}
+	if m := nats.MessagesPerDecision(); m <= 0 || m > 4 {
+		t.Fatalf("%.2f messages per decision", m)
+	}
+}
+
+// TestReplicasSyncSpreadsBurst: a burst of requests sharing a long system
+// prompt, entering through four replicas while the scraped load is a
+// second old. Without sync each replica sees only its own quarter of the
+// burst in flight and piles more onto the worker it believes idle (the
+// most used worker takes more, and the burst's TTFT tail grows); with
+// sync every replica sees the whole burst.
+func TestReplicasSyncSpreadsBurst(t *testing.T) {
+	const prefix, suffix, n = 8000, 1024, 64
+	var reqs []sim.Request
+	for i := range n {
+		toks := make([]uint32, prefix+suffix)
+		for j := range toks {
+			if j < prefix {
+				toks[j] = uint32(j + 1)
+			} else {
+				toks[j] = uint32(1_000_000 + i*suffix + j)
+			}
+		}
+		reqs = append(reqs, sim.Request{Arrival: time.Duration(i) * 5 * time.Millisecond, Tokens: toks, OutputLen: 500})
+	}
+	for _, p := range []string{"kv", "kvbandit"} {
+		var most, tail [2]int // [none, nats]: sums over seeds
+		for seed := int64(1); seed <= 6; seed++ {
+			for k, sync := range []sim.Sync{sim.SyncNone, sim.SyncNATS} {
+				res := runSim(t, sim.Config{Workers: make([]sim.WorkerConfig, 4), Policy: p, KVEvents: true, Seed: seed,
+					ScrapeInterval: time.Second, Replicas: 4, Sync: sync, SyncDelay: 2 * time.Millisecond}, reqs)
+				m := 0
+				for _, w := range res.Workers {
+					m = max(m, w.Requests)
+				}
+				var ttft []time.Duration
+				for _, q := range res.Requests {
+					if q.Err != "" {
+						t.Fatalf("%s: %s", p, q.Err)
+					}
+					ttft = append(ttft, q.TTFT)
+				}
+				slices.Sort(ttft)
+				most[k] += m
+				tail[k] += int(ttft[len(ttft)*9/10] / time.Millisecond)
+			}
+		}
+		t.Logf("%s over 6 seeds: most loaded worker %d vs %d requests, TTFT p90 %d vs %d ms (none vs nats)", p, most[0], most[1], tail[0], tail[1])
+		if most[1] >= most[0] || tail[1] >= tail[0] {
+			t.Fatalf("%s: sync does not spread the burst better: most loaded %v, TTFT p90 sum %v (none, nats)", p, most, tail)
+		}
+	}
+}
+
+func TestReplicasConfigErrors(t *testing.T) {
+	reqs := agentic(t, 2, 1)
+	for _, cfg := range []sim.Config{
+		{Replicas: -1},
+		{Replicas: sim.MaxReplicas + 1},
+		{Replicas: 2, Sync: sim.SyncNATS + 1},
+		{Replicas: 2, SyncDelay: -time.Millisecond},
+		{Replicas: 2, SyncDelay: sim.MaxSyncDelay + 1},
+	} {
+		cfg.Workers, cfg.Policy = make([]sim.WorkerConfig, 2), "random"
+		if _, err := sim.Run(t.Context(), cfg, reqs); !errors.Is(err, sim.ErrReplicas) {
+			t.Fatalf("%+v: err %v, want ErrReplicas", cfg, err)
+		}
+	}
+	if _, err := sim.Run(t.Context(), sim.Config{Workers: make([]sim.WorkerConfig, 2), Policy: "random", ScrapeInterval: -1}, reqs); !errors.Is(err, sim.ErrWorkerConfig) {
+		t.Fatalf("negative scrape interval: %v", err)
+	}
+	for s, want := range map[string]sim.Sync{"none": sim.SyncNone, "nats": sim.SyncNATS} {
+		if got, err := sim.ParseSync(s); err != nil || got != want || got.String() != s {
+			t.Fatalf("ParseSync(%q) = %v, %v", s, got, err)
+		}
+	}
+	if _, err := sim.ParseSync("etcd"); !errors.Is(err, sim.ErrReplicas) {
+		t.Fatalf("ParseSync(etcd): %v", err)
+	}
+}
