@@ -64,8 +64,10 @@ func (ix *Index) stamp(t time.Time) uint32 {
 //
 // now should come from the index's clock. Stamps never go backwards: a now
 // earlier than that of a previous insert is taken as that insert's time.
-// Keys w already holds from KV events stay event-fed. InsertApprox is safe
-// to call concurrently; inserts are serialised internally.
+// Keys w already holds from KV events stay event-fed. A block size that
+// would go over MaxBlockSizes is rejected with ErrTooManyBlockSizes.
+// InsertApprox is safe to call concurrently; inserts are serialised
+// internally.
 func (ix *Index) InsertApprox(w WorkerID, blockSize int, keys []uint64, now time.Time) error {
 	wk := ix.worker(w)
 	if wk == nil {
@@ -77,13 +79,22 @@ func (ix *Index) InsertApprox(w WorkerID, blockSize int, keys []uint64, now time
 	if len(keys) == 0 {
 		return nil
 	}
-	sp := ix.spaceFor(blockSize)
 	st := ix.stamp(now)
 	a := &ix.approx
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if wk.removed.Load() {
 		return fmt.Errorf("%w: %d (endpoint %s removed)", ErrUnknownWorker, w, wk.endpoint)
+	}
+	// Under approx.mu no space can be reclaimed, so one found without
+	// Index.mu stays valid.
+	sp := ix.space(blockSize)
+	if sp == nil {
+		var err error
+		if sp, err = ix.spaceLocked(blockSize, false); err != nil {
+			ix.blockSizes.Add(1)
+			return err
+		}
 	}
 	if st < a.last {
 		st = a.last
