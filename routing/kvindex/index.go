@@ -563,15 +563,15 @@ func (ix *Index) Stats() Stats {
 	workers := len(ix.byName)
 	ix.mu.Unlock()
 	st := Stats{
-		Workers:        workers,
-		Entries:        ix.entries.Load(),
-		ApproxEntries:  ix.approxEntries.Load(),
-		UnknownParent:  ix.unknownParent.Load(),
-		UnknownRemoved: ix.unknownRemoved.Load(),
-		Rejected:       ix.rejected.Load(),
-		Expired:        ix.expired.Load(),
-		Pruned:         ix.pruned.Load(),
-		OverCapacity:   ix.overCapacity.Load(),
+		Workers:           workers,
+		Entries:           ix.entries.Load(),
+		ApproxEntries:     ix.approxEntries.Load(),
+		UnknownParent:     ix.unknownParent.Load(),
+		UnknownRemoved:    ix.unknownRemoved.Load(),
+		Rejected:          ix.rejected.Load(),
+		Expired:           ix.expired.Load(),
+		Pruned:            ix.pruned.Load(),
+		OverCapacity:      ix.overCapacity.Load(),
 		TooManyBlockSizes: ix.blockSizes.Load(),
 	}
 	sps := *ix.spaces.Load()

@@ -20,7 +20,7 @@ type model struct {
 	holds  map[int]map[uint64]map[WorkerID]struct{} // block size → key → workers
 	// spaces are the key spaces in the index's order: made at the end,
 	// the first unused one reclaimed when there are maxSpaces.
-	spaces              []int
+	spaces               []int
 	maxHashes, maxSpaces int
 }
 
