@@ -133,6 +133,10 @@ func counters(st kvevents.Stats) []counter {
 		{"messages", st.Messages}, {"blocks", st.Blocks}, {"malformed", st.Malformed}, {"dropped", st.Dropped},
 		{"gaps", st.Gaps}, {"restarts", st.Restarts}, {"resyncs", st.Resyncs}, {"replays", st.Replays},
 		{"unknown_parent", st.UnknownParent},
+		// Events the index refused as over its limits (a worker's cap of
+		// event-fed blocks, the block sizes); each makes the view
+		// approximate.
+		{"index_limit", st.IndexLimit},
 		// The ZMTP socket's own refusals: connections over MaxConns, and
 		// connections ended by a failed handshake, a protocol error, a
 		// limit or a silent peer.

@@ -86,7 +86,11 @@ type Stats struct {
 	ReplayFailures uint64 // replays that could not fill their gap
 	UnknownParent  uint64 // Apply returned kvindex.ErrUnknownParent
 	UnknownBlock   uint64 // Apply returned kvindex.ErrUnknownBlock
-	ApplyErrors    uint64 // other Apply errors
+	// IndexLimit counts events the index refused, in whole or in part, as
+	// over its limits (kvindex.ErrWorkerFull, kvindex.ErrTooManyBlockSizes):
+	// each makes the view approximate until the worker clears or restarts.
+	IndexLimit  uint64
+	ApplyErrors uint64 // other Apply errors
 	// Connections are the ZMTP connections open now (handshaking ones
 	// included); ConnectionsRejected those refused because MaxConns were
 	// open; ConnectionErrors those ended by a failed handshake, a protocol
@@ -117,7 +121,7 @@ type Sub struct {
 	c struct {
 		messages, events, blocks, ignored, malformed, dropped, duplicates,
 		gaps, restarts, resyncs, replays, replayFailures, unknownParent,
-		unknownBlock, applyErrors atomic.Uint64
+		unknownBlock, indexLimit, applyErrors atomic.Uint64
 	}
 	trusted atomic.Bool
 
@@ -227,7 +231,7 @@ func (s *Sub) Stats() Stats {
 		Duplicates: s.c.duplicates.Load(), Gaps: s.c.gaps.Load(), Restarts: s.c.restarts.Load(),
 		Resyncs: s.c.resyncs.Load(), Replays: s.c.replays.Load(), ReplayFailures: s.c.replayFailures.Load(),
 		UnknownParent: s.c.unknownParent.Load(), UnknownBlock: s.c.unknownBlock.Load(),
-		ApplyErrors: s.c.applyErrors.Load(), Trusted: s.trusted.Load(),
+		IndexLimit: s.c.indexLimit.Load(), ApplyErrors: s.c.applyErrors.Load(), Trusted: s.trusted.Load(),
 		Connections: z.Conns, ConnectionsRejected: z.Rejected, ConnectionErrors: z.HandshakeFailures + z.Failures,
 	}
 }
@@ -391,6 +395,14 @@ func (s *Sub) apply(rank int, ev kvindex.Event) {
 		s.c.unknownParent.Add(1)
 	case errors.Is(err, kvindex.ErrUnknownBlock):
 		s.c.unknownBlock.Add(1)
+	case errors.Is(err, kvindex.ErrWorkerFull), errors.Is(err, kvindex.ErrTooManyBlockSizes):
+		// Blocks the worker holds are missing from the index: its view
+		// is approximate until it clears or restarts.
+		s.c.indexLimit.Add(1)
+		if s.trust != 0 {
+			s.log.Warn("kv events: the index refused blocks over its limits, view is no longer exact", "rank", rank, "err", err)
+		}
+		s.setTrust(false)
 	default:
 		s.c.applyErrors.Add(1)
 		s.log.Debug("kv events: apply", "rank", rank, "kind", ev.Kind, "err", err)
