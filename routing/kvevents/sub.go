@@ -44,7 +44,10 @@ type Config struct {
 	// HandshakeTimeout bounds a ZMTP handshake; 0 means 5 s.
 	HandshakeTimeout time.Duration
 	// MaxConns caps the publishers connected at once in bind mode
-	// (handshaking ones included); 0 means 16. One worker needs one.
+	// (handshaking ones included); 0 means 16. One worker needs one. When
+	// all are taken, a new connection replaces the one that has gone
+	// longest without a message, if that has been 2 s or more
+	// (zmtp.Options.EvictAfter); otherwise it is refused.
 	MaxConns int
 	// MaxMessageBytes bounds one ZMQ message (and each of its frames);
 	// 0 means 16 MiB, far above the largest batch Decode accepts.
@@ -93,10 +96,14 @@ type Stats struct {
 	ApplyErrors uint64 // other Apply errors
 	// Connections are the ZMTP connections open now (handshaking ones
 	// included); ConnectionsRejected those refused because MaxConns were
-	// open; ConnectionErrors those ended by a failed handshake, a protocol
-	// error, a limit or a silent peer.
+	// open and none had been silent long enough to make room;
+	// ConnectionsEvicted those closed to make room for a new one, having
+	// gone longest without a message (see zmtp.Options.EvictAfter);
+	// ConnectionErrors those ended by a failed handshake, a protocol error,
+	// a limit or a silent peer.
 	Connections         int64
 	ConnectionsRejected uint64
+	ConnectionsEvicted  uint64
 	ConnectionErrors    uint64
 	Trusted             bool
 }
@@ -232,7 +239,8 @@ func (s *Sub) Stats() Stats {
 		Resyncs: s.c.resyncs.Load(), Replays: s.c.replays.Load(), ReplayFailures: s.c.replayFailures.Load(),
 		UnknownParent: s.c.unknownParent.Load(), UnknownBlock: s.c.unknownBlock.Load(),
 		IndexLimit: s.c.indexLimit.Load(), ApplyErrors: s.c.applyErrors.Load(), Trusted: s.trusted.Load(),
-		Connections: z.Conns, ConnectionsRejected: z.Rejected, ConnectionErrors: z.HandshakeFailures + z.Failures,
+		Connections: z.Conns, ConnectionsRejected: z.Rejected, ConnectionsEvicted: z.Evicted,
+		ConnectionErrors: z.HandshakeFailures + z.Failures,
 	}
 }
 
