@@ -65,4 +65,13 @@
 // per block; approximate entries add a 16-byte queue item per distinct
 // second they were inserted in, compacted when stale items outnumber live
 // entries. BenchmarkIndexMemory reports bytes per (block, worker) entry.
+//
+// Everything is bounded, since KV events come from peers kvbandit cannot
+// authenticate: approximate entries by MaxEntries (pruned), each worker's
+// event-fed blocks by MaxEventEntries (further blocks refused with
+// [ErrWorkerFull]), and key spaces by MaxBlockSizes in all and
+// [WorkerBlockSizes] per worker (further block sizes refused with
+// [ErrTooManyBlockSizes]; a space no worker's events use and that holds no
+// entry is reclaimed for the next). The bound on spaces also bounds the
+// linear search for a block size's space on every lookup.
 package kvindex
