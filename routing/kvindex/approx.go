@@ -14,8 +14,9 @@ import (
 const sweepBatch = 1 << 16
 
 // approxState is the bookkeeping of approximate mode, shared by all block
-// sizes. mu guards it and every space's approxQueue; lock order is
-// worker.mu, then approxState.mu, then a shard's mu.
+// sizes. mu guards it and every space's approxQueue, and no space is
+// reclaimed without it; lock order is worker.mu, then approxState.mu, then
+// Index.mu, then a shard's mu.
 type approxState struct {
 	mu     sync.Mutex
 	last   uint32 // the latest stamp queued: queues never go back in time

@@ -54,7 +54,8 @@
 // applied in the engine's order, so a caller feeds each worker's events from
 // one goroutine (as Dynamo pins each worker to one thread); different workers
 // may be applied in parallel. InsertApprox, expiry and pruning share one
-// mutex. Lock order: worker, then approximate mode, then shard.
+// mutex. Lock order: worker, then approximate mode, then the index's
+// registry mutex (workers, key spaces), then shard.
 //
 // # Memory
 //

@@ -340,8 +340,8 @@ func (ix *Index) spaceLocked(blockSize int, event bool) (*space, error) {
 	} else {
 		victim := slices.IndexFunc(sps, (*space).unused)
 		if victim < 0 {
-			return nil, fmt.Errorf("%w: block size %d would be the %d-th in use, limit %d",
-				ErrTooManyBlockSizes, blockSize, len(sps)+1, ix.maxBlockSizes)
+			return nil, fmt.Errorf("%w: block size %d: %d block sizes in use, limit %d",
+				ErrTooManyBlockSizes, blockSize, len(sps), ix.maxBlockSizes)
 		}
 		next = append(append(next, sps[:victim]...), sps[victim+1:]...)
 	}
