@@ -3,7 +3,9 @@ package kvindex
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"runtime"
+	"sync"
 	"testing"
 	"time"
 )
@@ -210,5 +212,84 @@ func TestBlockSizesReclaimed(t *testing.T) {
 	}
 	if st := ix.Stats(); st.Spaces != 4 || st.TooManyBlockSizes != 3 {
 		t.Errorf("stats %+v", st)
+	}
+}
+
+// TestBlockSizeChurnConcurrent: workers storing, removing and clearing
+// blocks of more block sizes than there are key spaces, approximate
+// inserts and readers, all at once, so spaces are reclaimed and remade
+// under load. Under -race: no race, no entry written to a reclaimed space
+// (its blocks would be lost, and the counters would disagree), nothing
+// left once every worker is cleared and the approximate entries expire.
+func TestBlockSizeChurnConcurrent(t *testing.T) {
+	ix, v := newTestIndex(t, Options{MaxBlockSizes: 3, TTL: time.Second})
+	const writers, rounds = 4, 400
+	var wg, readers sync.WaitGroup
+	ids := make([]WorkerID, writers)
+	for i := range ids {
+		ids[i] = ix.Worker(fmt.Sprintf("pod-%d", i), 0)
+	}
+	for i, w := range ids {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(i), 3))
+			for r := range rounds {
+				bs := 1 + rng.IntN(6)
+				h := uint64(r)
+				err := ix.Apply(w, Event{Kind: Stored, BlockSize: bs, Blocks: []StoredBlock{{EngineHash: h, Tokens: prompt(bs, bs)}}})
+				if err != nil && !errors.Is(err, ErrTooManyBlockSizes) {
+					t.Error(err)
+					return
+				}
+				switch rng.IntN(3) {
+				case 0:
+					_ = ix.Apply(w, Event{Kind: Removed, RemovedHashes: []uint64{h}})
+				case 1:
+					_ = ix.Apply(w, Event{Kind: Cleared})
+				}
+			}
+			_ = ix.Apply(w, Event{Kind: Cleared})
+		}()
+	}
+	approx := ix.Worker("approx", 0)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for r := range rounds {
+			bs := 1 + r%6
+			_ = ix.InsertApprox(approx, bs, AppendBlockKeys(nil, prompt(bs, bs), bs, BaseSeed), v.Now())
+			if r%50 == 0 {
+				v.Step(2 * time.Second)
+			}
+		}
+	}()
+	stop := make(chan struct{})
+	readers.Add(1)
+	go func() {
+		defer readers.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			for bs := 1; bs <= 6; bs++ {
+				ix.Overlaps(bs, AppendBlockKeys(nil, prompt(bs, bs), bs, BaseSeed), nil)
+			}
+		}
+	}()
+	wg.Wait()
+	close(stop)
+	readers.Wait()
+	v.Step(time.Hour)
+	st := ix.Stats()
+	if st.Entries != 0 || st.ApproxEntries != 0 || st.Blocks != 0 || st.Spaces > 3 || st.TooManyBlockSizes == 0 {
+		t.Errorf("after clearing every worker and expiry: %+v", st)
+	}
+	for _, w := range append(ids, approx) {
+		if ix.Size(w) != 0 {
+			t.Errorf("worker %d: Size %d", w, ix.Size(w))
+		}
 	}
 }
