@@ -293,8 +293,10 @@ func TestHandshakeDeadline(t *testing.T) {
 	eventually(t, "the failure counted", 5*time.Second, func() bool { return s.Stats().HandshakeFailures == 1 && s.Stats().Conns == 0 })
 }
 
+// TestMaxConns: with eviction off, connections beyond MaxConns are closed
+// at once (TestEvictSilentLongest covers eviction).
 func TestMaxConns(t *testing.T) {
-	s, _ := newSub(t, Options{MaxConns: 3})
+	s, _ := newSub(t, Options{MaxConns: 3, EvictAfter: -1})
 	addr, err := s.Listen("tcp://127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
