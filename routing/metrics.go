@@ -90,6 +90,8 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.indexEvents, prometheus.CounterValue, float64(is.UnknownParent), "unknown_parent")
 	ch <- prometheus.MustNewConstMetric(c.indexEvents, prometheus.CounterValue, float64(is.UnknownRemoved), "unknown_removed")
 	ch <- prometheus.MustNewConstMetric(c.indexEvents, prometheus.CounterValue, float64(is.Rejected), "rejected")
+	ch <- prometheus.MustNewConstMetric(c.indexEvents, prometheus.CounterValue, float64(is.OverCapacity), "over_capacity")
+	ch <- prometheus.MustNewConstMetric(c.indexEvents, prometheus.CounterValue, float64(is.TooManyBlockSizes), "too_many_block_sizes")
 	ch <- prometheus.MustNewConstMetric(c.indexDropped, prometheus.CounterValue, float64(is.Expired), "ttl")
 	ch <- prometheus.MustNewConstMetric(c.indexDropped, prometheus.CounterValue, float64(is.Pruned), "pruned")
 	ch <- prometheus.MustNewConstMetric(c.expired, prometheus.CounterValue, float64(c.e.Expired()))

@@ -197,6 +197,7 @@ func TestConfigNamesTheBadField(t *testing.T) {
 		"router:\n  block_size: 0\n":                  "router.block_size",
 		"router:\n  queue_policy: lifo\n":             "router.queue_policy",
 		"router:\n  prune_target_ratio: 1.5\n":        "router.prune_target_ratio",
+		"router:\n  max_event_blocks_per_worker: 0\n": "router.max_event_blocks_per_worker",
 		"kv:\n  overlap_score_weight: -1\n":           "kv.overlap_score_weight",
 		"kvbandit:\n  speed:\n    forget: 2\n":        "kvbandit.speed.forget",
 		"thompson:\n  lints:\n    forget_rate: 1.5\n": "thompson.lints.forget_rate",

@@ -196,6 +196,9 @@ type RouterConfig struct {
 	TrackActiveBlocks    bool    `json:"track_active_blocks"`
 	// StaleRequestSecs releases decisions whose outcome never came.
 	StaleRequestSecs float64 `json:"stale_request_secs"`
+	// MaxEventBlocksPerWorker caps one worker's (rank's) event-fed index
+	// blocks; beyond it, events are refused and the view is approximate.
+	MaxEventBlocksPerWorker int `json:"max_event_blocks_per_worker"`
 }
 
 // PrefixStateConfig bounds the prefix state.
@@ -216,7 +219,8 @@ func DefaultFileConfig() FileConfig {
 	return FileConfig{
 		Router: RouterConfig{
 			BlockSize: routing.DefaultBlockSize, KVOverlapScoreWeight: 1, KVEvents: true, TTLSecs: 120,
-			MaxTreeSize: 1 << 20, PruneTargetRatio: 0.8, QueuePolicy: string(admission.PolicyFCFS), QueueMaxWaitSecs: 10,
+			MaxTreeSize: 1 << 20, PruneTargetRatio: 0.8, MaxEventBlocksPerWorker: kvindex.DefaultMaxEventEntries,
+			QueuePolicy: string(admission.PolicyFCFS), QueueMaxWaitSecs: 10,
 			TrackActiveBlocks: true, StaleRequestSecs: 300,
 		},
 		Config:      policy.DefaultConfig(),
@@ -273,6 +277,8 @@ func (c *FileConfig) Validate() error {
 		return fmt.Errorf("router.max_tree_size: must be > 0, got %d", r.MaxTreeSize)
 	case !(r.PruneTargetRatio > 0 && r.PruneTargetRatio <= 1):
 		return fmt.Errorf("router.prune_target_ratio: must be in (0, 1], got %v", r.PruneTargetRatio)
+	case r.MaxEventBlocksPerWorker <= 0:
+		return fmt.Errorf("router.max_event_blocks_per_worker: must be > 0, got %d", r.MaxEventBlocksPerWorker)
 	case !(r.QueueThreshold >= 0):
 		return fmt.Errorf("router.queue_threshold: must be >= 0, got %v", r.QueueThreshold)
 	case r.QueuePolicy != string(admission.PolicyFCFS) && r.QueuePolicy != string(admission.PolicyWSPT):
@@ -361,6 +367,7 @@ func (c *FileConfig) engineOptions(fallbacks int) routing.Options {
 			TTL:              secs(r.TTLSecs),
 			MaxEntries:       r.MaxTreeSize,
 			PruneTargetRatio: r.PruneTargetRatio,
+			MaxEventEntries:  r.MaxEventBlocksPerWorker,
 		},
 		Ejection: routing.EjectionOptions{
 			ConsecutiveErrors: c.Health.ConsecutiveErrors, BaseEjection: secs(c.Health.BaseEjectionSecs),

@@ -133,10 +133,16 @@ func counters(st kvevents.Stats) []counter {
 		{"messages", st.Messages}, {"blocks", st.Blocks}, {"malformed", st.Malformed}, {"dropped", st.Dropped},
 		{"gaps", st.Gaps}, {"restarts", st.Restarts}, {"resyncs", st.Resyncs}, {"replays", st.Replays},
 		{"unknown_parent", st.UnknownParent},
-		// The ZMTP socket's own refusals: connections over MaxConns, and
+		// Events the index refused as over its limits (a worker's cap of
+		// event-fed blocks, the block sizes); each makes the view
+		// approximate.
+		{"index_limit", st.IndexLimit},
+		// The ZMTP socket's own refusals: connections over MaxConns, the
+		// connections silent longest closed to make room for new ones, and
 		// connections ended by a failed handshake, a protocol error, a
 		// limit or a silent peer.
-		{"connections_rejected", st.ConnectionsRejected}, {"connection_errors", st.ConnectionErrors},
+		{"connections_rejected", st.ConnectionsRejected}, {"connections_evicted", st.ConnectionsEvicted},
+		{"connection_errors", st.ConnectionErrors},
 	}
 }
 

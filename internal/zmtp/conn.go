@@ -36,8 +36,19 @@ type Options struct {
 	// ROUTER peer pick one.
 	Identity []byte
 	// MaxConns caps a bound socket's connections, handshaking ones
-	// included; more are closed at once. Default 64.
+	// included. Default 64. A connection beyond it takes the place of the
+	// accepted connection that has gone longest without a message (see
+	// EvictAfter), or is closed at once when there is none.
 	MaxConns int
+	// EvictAfter is how long an accepted connection must have gone without
+	// a message (since it was accepted, if it never sent one) before a new
+	// connection may take its place at MaxConns; default 2 s, negative
+	// never evicts. A quiet ZMTP 3.0 peer cannot be told from a squatter,
+	// but a publisher that was dropped reconnects, and it publishes
+	// whenever it has news, so squatters are what goes first; the minimum
+	// keeps a flood of new connections from evicting each other, or a busy
+	// publisher.
+	EvictAfter time.Duration
 	// DialTimeout bounds one connection attempt; default 5 s.
 	DialTimeout time.Duration
 	// MinBackoff and MaxBackoff bound the wait between connection attempts
@@ -60,6 +71,7 @@ func (o Options) withDefaults() Options {
 	def(&o.Heartbeat, 10*time.Second)
 	def(&o.HeartbeatTimeout, 3*o.Heartbeat)
 	def(&o.DialTimeout, 5*time.Second)
+	def(&o.EvictAfter, 2*time.Second)
 	def(&o.MinBackoff, 50*time.Millisecond)
 	def(&o.MaxBackoff, 2*time.Second)
 	if o.MaxConns <= 0 {

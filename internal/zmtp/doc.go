@@ -18,7 +18,13 @@
 // claims it will send. Handshakes run under a deadline, concurrently, and
 // bound sockets cap their connections, so a peer that connects and says
 // nothing delays nobody. ZMTP 3.1 peers are sent PINGs and dropped when
-// silent; PINGs from any peer are answered.
+// silent; PINGs from any peer are answered. ZMTP 3.0 has no PING, so a
+// 3.0 peer that handshakes and then says nothing cannot be found out; when
+// a bound socket's connections are all taken, a new one takes the place of
+// the one that has gone longest without a message, once that one has been
+// silent for [Options.EvictAfter]. A real publisher sends whenever it has
+// news and reconnects when dropped, so silent squatters cannot keep it
+// out.
 //
 // Subscriptions are sent as ZMTP 3.0 subscription messages (a first byte
 // of 1, then the topic), which go-zeromq accepts and libzmq's XPUB accepts

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -20,22 +21,35 @@ type Sub struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
+	start  time.Time // origin of peer.last
 	mu     sync.Mutex
 	closed bool
 	lns    []net.Listener
-	conns  map[*Conn]struct{} // open connections, handshaking ones included
+	conns  map[*Conn]*peer // open connections, handshaking ones included
+	active int             // slots (of MaxConns) held by accepted connections
 
-	active atomic.Int64 // connections accepted and not yet closed
-	st     struct {
-		accepted, rejected, dialed, handshakeFailures, failures, messages atomic.Uint64
+	st struct {
+		accepted, rejected, evicted, dialed, handshakeFailures, failures, messages atomic.Uint64
 	}
+}
+
+// peer is what a Sub knows of one of its connections.
+type peer struct {
+	accepted bool // by a bound endpoint: it holds a slot and may be evicted
+	// evicted: closed to make room for a new connection, which took its
+	// slot. Guarded by Sub.mu.
+	evicted bool
+	// last is when the last message arrived, or the connection was made,
+	// as time since Sub.start.
+	last atomic.Int64
 }
 
 // SubStats are a Sub's counters since NewSub.
 type SubStats struct {
 	Conns             int64  // connections open now, handshaking ones included
 	Accepted          uint64 // connections accepted by bound endpoints
-	Rejected          uint64 // connections closed at once: MaxConns reached
+	Rejected          uint64 // connections closed at once: MaxConns reached, none to evict
+	Evicted           uint64 // accepted connections closed to make room for a new one (see Options.EvictAfter)
 	Dialed            uint64 // connections made by connecting endpoints
 	HandshakeFailures uint64 // connections whose handshake failed or timed out
 	Failures          uint64 // connections ended by a protocol error, a limit or silence
@@ -47,7 +61,7 @@ type SubStats struct {
 // when several peers are connected) and must not block; it owns the
 // frames.
 func NewSub(opts Options, handle func(frames [][]byte)) *Sub {
-	s := &Sub{opts: opts.withDefaults(), handle: handle, conns: map[*Conn]struct{}{}}
+	s := &Sub{opts: opts.withDefaults(), handle: handle, conns: map[*Conn]*peer{}, start: time.Now()}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	return s
 }
@@ -120,7 +134,7 @@ func (s *Sub) Stats() SubStats {
 	conns := int64(len(s.conns))
 	s.mu.Unlock()
 	return SubStats{
-		Conns: conns, Accepted: s.st.accepted.Load(), Rejected: s.st.rejected.Load(), Dialed: s.st.dialed.Load(),
+		Conns: conns, Accepted: s.st.accepted.Load(), Rejected: s.st.rejected.Load(), Evicted: s.st.evicted.Load(), Dialed: s.st.dialed.Load(),
 		HandshakeFailures: s.st.handshakeFailures.Load(), Failures: s.st.failures.Load(), Messages: s.st.messages.Load(),
 	}
 }
@@ -144,21 +158,62 @@ func (s *Sub) accept(ln net.Listener) {
 			continue
 		}
 		delay = s.opts.MinBackoff
-		if s.active.Load() >= int64(s.opts.MaxConns) {
-			s.st.rejected.Add(1)
-			log.Debug("zmtp: too many connections, closing a new one", "peer", nc.RemoteAddr().String(), "max", s.opts.MaxConns)
+		if !s.admit(nc, log) {
 			_ = nc.Close()
 			continue
 		}
 		s.st.accepted.Add(1)
-		s.active.Add(1)
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			defer s.active.Add(-1)
 			s.serve(nc, false)
 		}()
 	}
+}
+
+// since is the time since s.start, on the monotonic clock.
+func (s *Sub) since() time.Duration { return time.Since(s.start) }
+
+// admit takes a slot for the accepted connection nc. When all MaxConns
+// are taken, it closes the accepted connection that has gone longest
+// without a message and gives nc its slot, if that one has been silent
+// for EvictAfter; otherwise nc is refused (false).
+func (s *Sub) admit(nc net.Conn, log *slog.Logger) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.active < s.opts.MaxConns {
+		s.active++
+		return true
+	}
+	if s.opts.EvictAfter > 0 {
+		var victim *Conn
+		var vp *peer
+		for c, p := range s.conns {
+			if p.accepted && !p.evicted && (vp == nil || p.last.Load() < vp.last.Load()) {
+				victim, vp = c, p
+			}
+		}
+		if vp != nil {
+			if silent := s.since() - time.Duration(vp.last.Load()); silent >= s.opts.EvictAfter {
+				vp.evicted = true // the slot passes to nc
+				s.st.evicted.Add(1)
+				log.Debug("zmtp: too many connections, closing the one silent longest", "closed", victim.RemoteAddr().String(),
+					"silent", silent, "new", nc.RemoteAddr().String(), "max", s.opts.MaxConns)
+				_ = victim.Close()
+				return true
+			}
+		}
+	}
+	s.st.rejected.Add(1)
+	log.Debug("zmtp: too many connections, closing a new one", "peer", nc.RemoteAddr().String(), "max", s.opts.MaxConns)
+	return false
+}
+
+// wasEvicted reports whether p was closed to make room.
+func (s *Sub) wasEvicted(p *peer) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return p.evicted
 }
 
 func (s *Sub) dial(endpoint, network, addr string) {
@@ -199,24 +254,28 @@ func (s *Sub) sleep(d time.Duration) bool {
 // handshake succeeded.
 func (s *Sub) serve(nc net.Conn, dialed bool) bool {
 	c := newConn(nc, s.opts)
+	p := &peer{accepted: !dialed}
+	p.last.Store(int64(s.since()))
 	s.mu.Lock()
 	if s.closed {
+		s.release(p)
 		s.mu.Unlock()
 		_ = nc.Close()
 		return false
 	}
-	s.conns[c] = struct{}{}
+	s.conns[c] = p
 	s.mu.Unlock()
 	defer func() {
 		s.mu.Lock()
 		delete(s.conns, c)
+		s.release(p)
 		s.mu.Unlock()
 		_ = c.Close()
 	}()
 	log := s.opts.Logger.With("peer", nc.RemoteAddr().String())
 
 	if err := c.handshake(TypeSUB); err != nil {
-		if s.ctx.Err() == nil {
+		if s.ctx.Err() == nil && !s.wasEvicted(p) {
 			s.st.handshakeFailures.Add(1)
 			if dialed {
 				log.Warn("zmtp: handshake failed", "err", err)
@@ -229,7 +288,7 @@ func (s *Sub) serve(nc net.Conn, dialed bool) bool {
 	// Subscribe to everything: a ZMTP 3.0 subscription message, which 3.1
 	// publishers accept too.
 	if err := c.Send([]byte{1}); err != nil {
-		if s.ctx.Err() == nil {
+		if s.ctx.Err() == nil && !s.wasEvicted(p) {
 			s.st.failures.Add(1)
 			log.Info("zmtp: cannot subscribe", "err", err)
 		}
@@ -249,7 +308,16 @@ func (s *Sub) serve(nc net.Conn, dialed bool) bool {
 			}
 			return true
 		}
+		p.last.Store(int64(s.since()))
 		s.st.messages.Add(1)
 		s.handle(msg)
+	}
+}
+
+// release gives back the slot of an accepted connection that ends,
+// unless it was evicted (its slot went to another). The caller holds mu.
+func (s *Sub) release(p *peer) {
+	if p.accepted && !p.evicted {
+		s.active--
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -292,8 +293,10 @@ func TestHandshakeDeadline(t *testing.T) {
 	eventually(t, "the failure counted", 5*time.Second, func() bool { return s.Stats().HandshakeFailures == 1 && s.Stats().Conns == 0 })
 }
 
+// TestMaxConns: with eviction off, connections beyond MaxConns are closed
+// at once (TestEvictSilentLongest covers eviction).
 func TestMaxConns(t *testing.T) {
-	s, _ := newSub(t, Options{MaxConns: 3})
+	s, _ := newSub(t, Options{MaxConns: 3, EvictAfter: -1})
 	addr, err := s.Listen("tcp://127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -405,4 +408,70 @@ func TestCloseStopsEverything(t *testing.T) {
 	if _, err := io.Copy(io.Discard, c); err != nil {
 		t.Errorf("connection not closed by Close: %v", err)
 	}
+}
+
+// TestEvictSilentLongest: with every slot of a bound socket taken, a new
+// connection takes the place of the accepted connection that has gone
+// longest without a message, if that one has been silent for EvictAfter;
+// a peer that has just published is kept, and when every connection is
+// younger than EvictAfter the new one is refused. ZMTP 3.0 peers, which
+// are never pinged, are the case that needs it.
+func TestEvictSilentLongest(t *testing.T) {
+	const evictAfter = 2 * time.Second
+	s, in := newSub(t, Options{MaxConns: 3, EvictAfter: evictAfter})
+	addr, err := s.Listen("tcp://127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dial := func() net.Conn {
+		t.Helper()
+		c, err := zmtptest.DialPub(addr.String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	a, b, c := dial(), dial(), dial()
+	eventually(t, "3 connections", 5*time.Second, func() bool { return s.Stats().Conns == 3 })
+	time.Sleep(evictAfter + 200*time.Millisecond)
+	// a publishes: it is no longer silent; b is now the one silent longest.
+	if _, err := a.Write(append(zmtptest.Frame(0x01, kvMsg[0]), append(zmtptest.Frame(0x01, kvMsg[1]), zmtptest.Frame(0, []byte("x"))...)...)); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "a's message", 5*time.Second, func() bool { return in.len() == 1 })
+	d := dial()
+	if !closedSoon(b) {
+		t.Fatal("b, silent longest, was not closed")
+	}
+	e := dial()
+	if !closedSoon(c) {
+		t.Fatal("c, silent next longest, was not closed")
+	}
+	// Now a published a moment ago and d, e are new: nobody to evict.
+	f, err := net.Dial("tcp", addr.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if !closedSoon(f) {
+		t.Fatal("a fourth connection was not refused while every other was recent")
+	}
+	for name, conn := range map[string]net.Conn{"a": a, "d": d, "e": e} {
+		_ = conn.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+		if _, err := io.Copy(io.Discard, conn); !errors.Is(err, os.ErrDeadlineExceeded) { // the subscription, then nothing
+			t.Errorf("%s: %v; want it open", name, err)
+		}
+	}
+	st := s.Stats()
+	if st.Evicted != 2 || st.Rejected != 1 || st.Conns != 3 || st.HandshakeFailures != 0 || st.Failures != 0 {
+		t.Errorf("stats %+v", st)
+	}
+}
+
+// closedSoon reads c until the SUB closes it; false if still open after 5 s.
+func closedSoon(c net.Conn) bool {
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_, err := io.Copy(io.Discard, c)
+	return err == nil || !errors.Is(err, os.ErrDeadlineExceeded)
 }

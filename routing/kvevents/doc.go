@@ -26,7 +26,10 @@
 // The first message decides trust: sequence 0 means we saw the worker from
 // its start. A later first message, a gap, dropped or undecodable messages
 // make the view approximate (OnResync, then OnTrust(false)) unless replay
-// from the worker's replay_endpoint fills the gap. A sequence number going
+// from the worker's replay_endpoint fills the gap. So does an event the
+// index refuses as over its limits (kvindex.ErrWorkerFull,
+// kvindex.ErrTooManyBlockSizes), without a resync: no replay brings the
+// refused blocks back. A sequence number going
 // backwards is a worker restart: every rank seen gets a Cleared event, and
 // a restart at sequence 0 is exact again; so is an AllBlocksCleared event.
 // Close stops every goroutine of the Sub.

@@ -202,3 +202,61 @@ func TestBindHostileConnectionsMemoryBudget(t *testing.T) {
 	}
 	held = nil
 }
+
+// TestBindSquattersDoNotLockOutPublisher: MaxConns peers that complete a
+// ZMTP 3.0 handshake and then say nothing (3.0 has no PING, so nothing
+// finds them out) take every slot of a bound socket; a publisher that
+// connects afterwards, reconnecting as a worker does when dropped, must
+// still be received within a few seconds: the socket makes room by
+// closing the connection silent longest. Before, it was refused for as
+// long as the squatters stayed.
+func TestBindSquattersDoNotLockOutPublisher(t *testing.T) {
+	r := &recorder{}
+	s := subscribe(t, Config{Address: "tcp://127.0.0.1:0", Bind: true}, r)
+	addr := s.Addr().String()
+	const maxConns = 16 // Config.MaxConns default
+	var squatters []net.Conn
+	defer func() {
+		for _, c := range squatters {
+			c.Close()
+		}
+	}()
+	for range maxConns {
+		c, err := zmtptest.DialPub(addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		squatters = append(squatters, c)
+	}
+	eventually(t, "every slot taken", func() bool { return s.Stats().Connections == maxConns })
+
+	// The worker: dial, and dial again whenever the connection is refused
+	// (libzmq reconnects every 100 ms; go-zeromq's Dial fails at once when
+	// the handshake is cut).
+	deadline := time.Now().Add(10 * time.Second)
+	var pub zmq4.Socket
+	for {
+		pub = zmq4.NewPub(t.Context())
+		err := pub.Dial("tcp://" + addr)
+		if err == nil {
+			break
+		}
+		pub.Close()
+		if time.Now().After(deadline) {
+			t.Fatalf("the publisher was refused for 10 s while %d silent peers held the socket: %v (stats %+v)", maxConns, err, s.Stats())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	defer pub.Close()
+	for s.Stats().Messages == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("no message from the publisher within 10 s; stats %+v", s.Stats())
+		}
+		send(t, pub, storedMsg(t, 0, 10, nil))
+		time.Sleep(5 * time.Millisecond)
+	}
+	// One squatter made room; the publisher's connection stays.
+	if st := s.Stats(); st.ConnectionsEvicted != 1 || st.Connections != maxConns {
+		t.Errorf("stats %+v: want one squatter evicted, %d connections", st, maxConns)
+	}
+}

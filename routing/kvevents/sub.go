@@ -44,7 +44,10 @@ type Config struct {
 	// HandshakeTimeout bounds a ZMTP handshake; 0 means 5 s.
 	HandshakeTimeout time.Duration
 	// MaxConns caps the publishers connected at once in bind mode
-	// (handshaking ones included); 0 means 16. One worker needs one.
+	// (handshaking ones included); 0 means 16. One worker needs one. When
+	// all are taken, a new connection replaces the one that has gone
+	// longest without a message, if that has been 2 s or more
+	// (zmtp.Options.EvictAfter); otherwise it is refused.
 	MaxConns int
 	// MaxMessageBytes bounds one ZMQ message (and each of its frames);
 	// 0 means 16 MiB, far above the largest batch Decode accepts.
@@ -86,13 +89,21 @@ type Stats struct {
 	ReplayFailures uint64 // replays that could not fill their gap
 	UnknownParent  uint64 // Apply returned kvindex.ErrUnknownParent
 	UnknownBlock   uint64 // Apply returned kvindex.ErrUnknownBlock
-	ApplyErrors    uint64 // other Apply errors
+	// IndexLimit counts events the index refused, in whole or in part, as
+	// over its limits (kvindex.ErrWorkerFull, kvindex.ErrTooManyBlockSizes):
+	// each makes the view approximate until the worker clears or restarts.
+	IndexLimit  uint64
+	ApplyErrors uint64 // other Apply errors
 	// Connections are the ZMTP connections open now (handshaking ones
 	// included); ConnectionsRejected those refused because MaxConns were
-	// open; ConnectionErrors those ended by a failed handshake, a protocol
-	// error, a limit or a silent peer.
+	// open and none had been silent long enough to make room;
+	// ConnectionsEvicted those closed to make room for a new one, having
+	// gone longest without a message (see zmtp.Options.EvictAfter);
+	// ConnectionErrors those ended by a failed handshake, a protocol error,
+	// a limit or a silent peer.
 	Connections         int64
 	ConnectionsRejected uint64
+	ConnectionsEvicted  uint64
 	ConnectionErrors    uint64
 	Trusted             bool
 }
@@ -117,7 +128,7 @@ type Sub struct {
 	c struct {
 		messages, events, blocks, ignored, malformed, dropped, duplicates,
 		gaps, restarts, resyncs, replays, replayFailures, unknownParent,
-		unknownBlock, applyErrors atomic.Uint64
+		unknownBlock, indexLimit, applyErrors atomic.Uint64
 	}
 	trusted atomic.Bool
 
@@ -227,8 +238,9 @@ func (s *Sub) Stats() Stats {
 		Duplicates: s.c.duplicates.Load(), Gaps: s.c.gaps.Load(), Restarts: s.c.restarts.Load(),
 		Resyncs: s.c.resyncs.Load(), Replays: s.c.replays.Load(), ReplayFailures: s.c.replayFailures.Load(),
 		UnknownParent: s.c.unknownParent.Load(), UnknownBlock: s.c.unknownBlock.Load(),
-		ApplyErrors: s.c.applyErrors.Load(), Trusted: s.trusted.Load(),
-		Connections: z.Conns, ConnectionsRejected: z.Rejected, ConnectionErrors: z.HandshakeFailures + z.Failures,
+		IndexLimit: s.c.indexLimit.Load(), ApplyErrors: s.c.applyErrors.Load(), Trusted: s.trusted.Load(),
+		Connections: z.Conns, ConnectionsRejected: z.Rejected, ConnectionsEvicted: z.Evicted,
+		ConnectionErrors: z.HandshakeFailures + z.Failures,
 	}
 }
 
@@ -391,6 +403,14 @@ func (s *Sub) apply(rank int, ev kvindex.Event) {
 		s.c.unknownParent.Add(1)
 	case errors.Is(err, kvindex.ErrUnknownBlock):
 		s.c.unknownBlock.Add(1)
+	case errors.Is(err, kvindex.ErrWorkerFull), errors.Is(err, kvindex.ErrTooManyBlockSizes):
+		// Blocks the worker holds are missing from the index: its view
+		// is approximate until it clears or restarts.
+		s.c.indexLimit.Add(1)
+		if s.trust != 0 {
+			s.log.Warn("kv events: the index refused blocks over its limits, view is no longer exact", "rank", rank, "err", err)
+		}
+		s.setTrust(false)
 	default:
 		s.c.applyErrors.Add(1)
 		s.log.Debug("kv events: apply", "rank", rank, "kind", ev.Kind, "err", err)

@@ -14,8 +14,9 @@ import (
 const sweepBatch = 1 << 16
 
 // approxState is the bookkeeping of approximate mode, shared by all block
-// sizes. mu guards it and every space's approxQueue; lock order is
-// worker.mu, then approxState.mu, then a shard's mu.
+// sizes. mu guards it and every space's approxQueue, and no space is
+// reclaimed without it; lock order is worker.mu, then approxState.mu, then
+// Index.mu, then a shard's mu.
 type approxState struct {
 	mu     sync.Mutex
 	last   uint32 // the latest stamp queued: queues never go back in time
@@ -64,8 +65,10 @@ func (ix *Index) stamp(t time.Time) uint32 {
 //
 // now should come from the index's clock. Stamps never go backwards: a now
 // earlier than that of a previous insert is taken as that insert's time.
-// Keys w already holds from KV events stay event-fed. InsertApprox is safe
-// to call concurrently; inserts are serialised internally.
+// Keys w already holds from KV events stay event-fed. A block size that
+// would go over MaxBlockSizes is rejected with ErrTooManyBlockSizes.
+// InsertApprox is safe to call concurrently; inserts are serialised
+// internally.
 func (ix *Index) InsertApprox(w WorkerID, blockSize int, keys []uint64, now time.Time) error {
 	wk := ix.worker(w)
 	if wk == nil {
@@ -77,13 +80,22 @@ func (ix *Index) InsertApprox(w WorkerID, blockSize int, keys []uint64, now time
 	if len(keys) == 0 {
 		return nil
 	}
-	sp := ix.spaceFor(blockSize)
 	st := ix.stamp(now)
 	a := &ix.approx
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if wk.removed.Load() {
 		return fmt.Errorf("%w: %d (endpoint %s removed)", ErrUnknownWorker, w, wk.endpoint)
+	}
+	// Under approx.mu no space can be reclaimed, so one found without
+	// Index.mu stays valid.
+	sp := ix.space(blockSize)
+	if sp == nil {
+		var err error
+		if sp, err = ix.spaceLocked(blockSize, false); err != nil {
+			ix.blockSizes.Add(1)
+			return err
+		}
 	}
 	if st < a.last {
 		st = a.last

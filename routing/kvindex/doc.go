@@ -54,7 +54,8 @@
 // applied in the engine's order, so a caller feeds each worker's events from
 // one goroutine (as Dynamo pins each worker to one thread); different workers
 // may be applied in parallel. InsertApprox, expiry and pruning share one
-// mutex. Lock order: worker, then approximate mode, then shard.
+// mutex. Lock order: worker, then approximate mode, then the index's
+// registry mutex (workers, key spaces), then shard.
 //
 // # Memory
 //
@@ -65,4 +66,13 @@
 // per block; approximate entries add a 16-byte queue item per distinct
 // second they were inserted in, compacted when stale items outnumber live
 // entries. BenchmarkIndexMemory reports bytes per (block, worker) entry.
+//
+// Everything is bounded, since KV events come from peers kvbandit cannot
+// authenticate: approximate entries by MaxEntries (pruned), each worker's
+// event-fed blocks by MaxEventEntries (further blocks refused with
+// [ErrWorkerFull]), and key spaces by MaxBlockSizes in all and
+// [WorkerBlockSizes] per worker (further block sizes refused with
+// [ErrTooManyBlockSizes]; a space no worker's events use and that holds no
+// entry is reclaimed for the next). The bound on spaces also bounds the
+// linear search for a block size's space on every lookup.
 package kvindex

@@ -63,7 +63,11 @@ type Event struct {
 //     content moves to the new block). An unknown parent rejects the whole
 //     event with ErrUnknownParent, a block with a token count other than
 //     BlockSize with ErrBlockSize, and an engine hash named twice with
-//     ErrInvalidEvent.
+//     ErrInvalidEvent. A block size new to w that would go over
+//     WorkerBlockSizes or MaxBlockSizes rejects the event with
+//     ErrTooManyBlockSizes. The blocks are applied in order up to the
+//     first new engine hash that would take w over MaxEventEntries; that
+//     one and the rest are not, and Apply returns ErrWorkerFull.
 //   - Removed drops w from the blocks of those engine hashes; hashes not
 //     indexed for w are counted and reported with ErrUnknownBlock after the
 //     others are applied (common right after the router subscribes, so
@@ -127,30 +131,69 @@ func (ix *Index) applyStored(wk *worker, ev *Event) error {
 	if len(ev.Blocks) == 0 {
 		return nil
 	}
+	var sp *space
 	if m == nil {
+		if err := ix.newEngineMap(wk, ev.BlockSize); err != nil {
+			return err
+		}
+		sp = ix.space(ev.BlockSize) // alive: the new map holds a reference
+		m = make(map[uint64]uint64, min(len(ev.Blocks), ix.maxEventEntries-wk.hashes))
 		if wk.engine == nil {
 			wk.engine = make(map[int]map[uint64]uint64)
 		}
-		m = make(map[uint64]uint64, len(ev.Blocks))
 		wk.engine[ev.BlockSize] = m
+	} else {
+		sp = ix.space(ev.BlockSize)
 	}
-	sp := ix.spaceFor(ev.BlockSize)
 	seed := Seed(ev.LoRA, ev.Namespace)
 	chained := ev.HasParent
-	for _, b := range ev.Blocks {
+	for i, b := range ev.Blocks {
+		old, held := m[b.EngineHash]
+		if !held && wk.hashes >= ix.maxEventEntries {
+			ix.overCapacity.Add(1)
+			return fmt.Errorf("%w: worker %s rank %d holds %d blocks; %d of the event's %d blocks applied",
+				ErrWorkerFull, wk.endpoint, wk.rank, wk.hashes, i, len(ev.Blocks))
+		}
 		local := hashTokens(b.Tokens, seed)
 		if chained {
 			key = ChainHash(key, local)
 		} else {
 			key, chained = local, true
 		}
-		if old, ok := m[b.EngineHash]; ok && old != key {
+		switch {
+		case !held:
+			wk.hashes++
+		case old != key:
 			// The engine reused a hash for other content: the old block
 			// is gone from this worker.
 			ix.unhold(sp, wk, old, keepNone)
 		}
 		m[b.EngineHash] = key
 		ix.store(sp, wk, key)
+	}
+	return nil
+}
+
+// newEngineMap checks that wk may start indexing blocks of blockSize and
+// takes a reference to its space; the caller then makes the engine map.
+// The caller holds wk.mu.
+func (ix *Index) newEngineMap(wk *worker, blockSize int) error {
+	if wk.hashes >= ix.maxEventEntries {
+		ix.overCapacity.Add(1)
+		return fmt.Errorf("%w: worker %s rank %d holds %d blocks; none of the event's applied",
+			ErrWorkerFull, wk.endpoint, wk.rank, wk.hashes)
+	}
+	if len(wk.engine) >= WorkerBlockSizes {
+		ix.blockSizes.Add(1)
+		return fmt.Errorf("%w: worker %s rank %d already uses %d block sizes, %d would be one more",
+			ErrTooManyBlockSizes, wk.endpoint, wk.rank, len(wk.engine), blockSize)
+	}
+	ix.approx.mu.Lock()
+	_, err := ix.spaceLocked(blockSize, true)
+	ix.approx.mu.Unlock()
+	if err != nil {
+		ix.blockSizes.Add(1)
+		return fmt.Errorf("%w (worker %s rank %d)", err, wk.endpoint, wk.rank)
 	}
 	return nil
 }
@@ -198,9 +241,17 @@ func (ix *Index) applyRemoved(wk *worker, ev *Event) error {
 				continue
 			}
 			if k, ok := m[h]; ok {
+				sp := ix.space(bs) // alive: m holds a reference
 				delete(m, h)
-				ix.unhold(ix.space(bs), wk, k, keepNone)
+				wk.hashes--
+				ix.unhold(sp, wk, k, keepNone)
 				found = true
+				if len(m) == 0 {
+					// Drop the map (Go maps never shrink) and its
+					// reference, so the space can be reclaimed.
+					delete(wk.engine, bs)
+					ix.releaseSpace(sp)
+				}
 			}
 		}
 		if !found {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -30,6 +31,19 @@ const (
 	DefaultTTL              = 120 * time.Second
 	DefaultMaxEntries       = 1 << 20
 	DefaultPruneTargetRatio = 0.8
+	// DefaultMaxEventEntries is one worker's cap on event-fed blocks: the
+	// approximate index's cap (Dynamo's --router-max-tree-size default),
+	// above what one GPU's KV cache holds (vLLM's largest are a few
+	// hundred thousand blocks; 2^20 blocks of 16 tokens are 16M tokens).
+	DefaultMaxEventEntries = 1 << 20
+	// DefaultMaxBlockSizes caps the key spaces alive at once. A fleet uses
+	// one or two block sizes.
+	DefaultMaxBlockSizes = 8
+	// WorkerBlockSizes is how many block sizes one worker's events may use
+	// at once. An engine reports one (vLLM's main KV cache group, SGLang's
+	// page size); the second leaves room for a reconfigured worker whose
+	// restart went unnoticed.
+	WorkerBlockSizes = 2
 )
 
 // Options configure an [Index]. The zero value gives Dynamo's defaults.
@@ -42,9 +56,24 @@ type Options struct {
 	TTL time.Duration
 	// MaxEntries caps approximate (block, worker) entries over all block
 	// sizes, the unit Dynamo's pruner keeps one timer for (0:
-	// DefaultMaxEntries). Event-fed entries are not capped: the engines
-	// bound them.
+	// DefaultMaxEntries). Event-fed entries have their own cap,
+	// MaxEventEntries.
 	MaxEntries int
+	// MaxEventEntries caps one worker's event-fed blocks (the engine block
+	// hashes indexed for it, over all block sizes; each is at most one
+	// entry) (0: DefaultMaxEventEntries). A Stored event is applied up to
+	// the first block that would go over it and then rejected with
+	// ErrWorkerFull: the worker's view is incomplete from then on, and
+	// frees room only as the engine removes blocks. An engine holds what
+	// its KV cache holds, so only a hostile or broken peer gets there.
+	MaxEventEntries int
+	// MaxBlockSizes caps the key spaces (distinct block sizes) alive at
+	// once (0: DefaultMaxBlockSizes). A space no worker's events use and
+	// no entry is left in is reclaimed when a new block size needs room;
+	// when none is, the new block size is rejected with
+	// ErrTooManyBlockSizes. Each worker's events may also use at most
+	// WorkerBlockSizes of them.
+	MaxBlockSizes int
 	// PruneTargetRatio is the fraction of MaxEntries kept when the cap is
 	// exceeded, dropping least recently inserted entries first (0:
 	// DefaultPruneTargetRatio). It must be in (0, 1].
@@ -69,6 +98,14 @@ var (
 	// ErrInvalidEvent: an unknown event kind or an engine hash repeated in
 	// one Stored event; the event was rejected.
 	ErrInvalidEvent = errors.New("kvindex: invalid event")
+	// ErrWorkerFull: a Stored event would take the worker over
+	// MaxEventEntries; the blocks before the first that did not fit were
+	// applied, the others were not. The worker's view is incomplete.
+	ErrWorkerFull = errors.New("kvindex: worker's event-fed blocks at their cap")
+	// ErrTooManyBlockSizes: a block size new to the worker (or to the
+	// index) would go over WorkerBlockSizes (or MaxBlockSizes); the event
+	// or approximate insert was rejected.
+	ErrTooManyBlockSizes = errors.New("kvindex: too many block sizes")
 )
 
 // Index maps chained block keys (see [AppendBlockKeys]) to the workers whose
@@ -76,14 +113,16 @@ var (
 // first write; all methods take the block size. It is safe for concurrent
 // use; see the package documentation for what may run in parallel.
 type Index struct {
-	clk         clock.Clock
-	epoch       time.Time
-	ttl         uint32 // seconds
-	maxEntries  int64
-	pruneTarget int64
-	seed        uint64
+	clk             clock.Clock
+	epoch           time.Time
+	ttl             uint32 // seconds
+	maxEntries      int64
+	pruneTarget     int64
+	maxEventEntries int
+	maxBlockSizes   int
+	seed            uint64
 
-	mu      sync.Mutex // guards byName, nextID and the copy-on-write publication of workers and spaces
+	mu      sync.Mutex // guards byName, nextID, space.users and the copy-on-write publication of workers and spaces
 	byName  map[workerName]WorkerID
 	nextID  WorkerID
 	workers atomic.Pointer[[]*worker] // indexed by WorkerID; append-only
@@ -96,6 +135,8 @@ type Index struct {
 	rejected       atomic.Uint64
 	expired        atomic.Uint64
 	pruned         atomic.Uint64
+	overCapacity   atomic.Uint64
+	blockSizes     atomic.Uint64
 
 	approx approxState
 }
@@ -114,14 +155,20 @@ type worker struct {
 	approx   atomic.Int64 // of which approximate
 
 	mu sync.Mutex // serialises Apply and purges of this worker
-	// engine maps, per block size, the engine's opaque block hash to our key.
+	// engine maps, per block size, the engine's opaque block hash to our
+	// key. A map is never empty: the last removal deletes it. Each map
+	// holds a reference to its block size's space (space.users).
 	engine map[int]map[uint64]uint64
+	hashes int // engine hashes over all of engine's maps, <= maxEventEntries
 }
 
-// space is the key space of one block size.
+// space is the key space of one block size. A space is made on first
+// write and lives until it is reclaimed for another block size (see
+// Index.spaceLocked), which needs it unused and empty.
 type space struct {
 	blockSize int
 	seed      uint64
+	users     int // workers whose events use it (an engine map); guarded by Index.mu
 	shards    [numShards]shard
 	aq        approxQueue // guarded by Index.approx.mu
 }
@@ -135,6 +182,12 @@ func New(opts Options) (*Index, error) {
 	if opts.MaxEntries < 0 {
 		return nil, fmt.Errorf("kvindex: MaxEntries %d is negative", opts.MaxEntries)
 	}
+	if opts.MaxEventEntries < 0 {
+		return nil, fmt.Errorf("kvindex: MaxEventEntries %d is negative", opts.MaxEventEntries)
+	}
+	if opts.MaxBlockSizes < 0 {
+		return nil, fmt.Errorf("kvindex: MaxBlockSizes %d is negative", opts.MaxBlockSizes)
+	}
 	if r := opts.PruneTargetRatio; r < 0 || r > 1 || math.IsNaN(r) {
 		return nil, fmt.Errorf("kvindex: PruneTargetRatio %v is outside (0, 1]", r)
 	}
@@ -147,17 +200,25 @@ func New(opts Options) (*Index, error) {
 	if opts.PruneTargetRatio == 0 {
 		opts.PruneTargetRatio = DefaultPruneTargetRatio
 	}
+	if opts.MaxEventEntries == 0 {
+		opts.MaxEventEntries = DefaultMaxEventEntries
+	}
+	if opts.MaxBlockSizes == 0 {
+		opts.MaxBlockSizes = DefaultMaxBlockSizes
+	}
 	ttl := (opts.TTL + time.Second - 1) / time.Second
 	if ttl > math.MaxUint32/2 {
 		ttl = math.MaxUint32 / 2
 	}
 	clk := clock.Or(opts.Clock)
 	ix := &Index{
-		clk:         clk,
-		epoch:       clk.Now(),
-		ttl:         uint32(ttl),
-		maxEntries:  int64(opts.MaxEntries),
-		pruneTarget: int64(float64(opts.MaxEntries) * opts.PruneTargetRatio),
+		clk:             clk,
+		epoch:           clk.Now(),
+		ttl:             uint32(ttl),
+		maxEntries:      int64(opts.MaxEntries),
+		pruneTarget:     int64(float64(opts.MaxEntries) * opts.PruneTargetRatio),
+		maxEventEntries: opts.MaxEventEntries,
+		maxBlockSizes:   opts.MaxBlockSizes,
 		// The table seed keeps crafted prompts from piling keys into one
 		// probe run; it never changes a result.
 		seed:   rand.Uint64(),
@@ -255,22 +316,71 @@ func (ix *Index) space(blockSize int) *space {
 	return nil
 }
 
-func (ix *Index) spaceFor(blockSize int) *space {
-	if sp := ix.space(blockSize); sp != nil {
-		return sp
-	}
+// spaceLocked returns the key space of blockSize, making it when there is
+// none; event takes a reference for a worker's new engine map (see
+// releaseSpace). At MaxBlockSizes spaces it reclaims the first that no
+// worker's events use and that holds no entry, else it fails with
+// ErrTooManyBlockSizes. The caller holds approx.mu: with it, and users at
+// 0, nobody can add an entry to a space, so an empty one stays empty.
+func (ix *Index) spaceLocked(blockSize int, event bool) (*space, error) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
-	if sp := ix.space(blockSize); sp != nil {
-		return sp
+	sps := *ix.spaces.Load()
+	for _, sp := range sps {
+		if sp.blockSize == blockSize {
+			if event {
+				sp.users++
+			}
+			return sp, nil
+		}
+	}
+	next := make([]*space, 0, min(len(sps)+1, ix.maxBlockSizes))
+	if len(sps) < ix.maxBlockSizes {
+		next = append(next, sps...)
+	} else {
+		victim := slices.IndexFunc(sps, (*space).unused)
+		if victim < 0 {
+			return nil, fmt.Errorf("%w: block size %d: %d block sizes in use, limit %d",
+				ErrTooManyBlockSizes, blockSize, len(sps), ix.maxBlockSizes)
+		}
+		next = append(append(next, sps[:victim]...), sps[victim+1:]...)
 	}
 	sp := &space{blockSize: blockSize, seed: ix.seed ^ uint64(blockSize)*0x9e3779b97f4a7c15}
 	for i := range sp.shards {
 		sp.shards[i].tab.seed = sp.seed
 	}
-	sps := append(append([]*space(nil), *ix.spaces.Load()...), sp)
-	ix.spaces.Store(&sps)
-	return sp
+	if event {
+		sp.users = 1
+	}
+	next = append(next, sp)
+	ix.spaces.Store(&next)
+	return sp, nil
+}
+
+// unused reports whether no worker's events use sp and it holds no entry.
+// The caller holds Index.mu and approx.mu.
+func (sp *space) unused() bool {
+	if sp.users > 0 {
+		return false
+	}
+	for i := range sp.shards {
+		sh := &sp.shards[i]
+		sh.mu.RLock()
+		n := sh.tab.n
+		sh.mu.RUnlock()
+		if n > 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// releaseSpace drops a reference spaceLocked took, once the worker's
+// engine map for its block size is gone.
+func (ix *Index) releaseSpace(sp *space) {
+	ix.mu.Lock()
+	sp.users--
+	ix.mu.Unlock()
 }
 
 func (sp *space) locate(k uint64) (uint64, *shard) {
@@ -439,6 +549,11 @@ type Stats struct {
 	Rejected       uint64 // events rejected for block size or shape
 	Expired        uint64 // approximate entries dropped by TTL
 	Pruned         uint64 // approximate entries dropped by the cap
+	OverCapacity   uint64 // Stored events cut short by MaxEventEntries
+	// TooManyBlockSizes counts events and approximate inserts rejected
+	// for a block size over WorkerBlockSizes or MaxBlockSizes.
+	TooManyBlockSizes uint64
+	Spaces            int // key spaces (block sizes) alive
 }
 
 // Stats returns current sizes and counters. Blocks is summed shard by
@@ -448,16 +563,20 @@ func (ix *Index) Stats() Stats {
 	workers := len(ix.byName)
 	ix.mu.Unlock()
 	st := Stats{
-		Workers:        workers,
-		Entries:        ix.entries.Load(),
-		ApproxEntries:  ix.approxEntries.Load(),
-		UnknownParent:  ix.unknownParent.Load(),
-		UnknownRemoved: ix.unknownRemoved.Load(),
-		Rejected:       ix.rejected.Load(),
-		Expired:        ix.expired.Load(),
-		Pruned:         ix.pruned.Load(),
+		Workers:           workers,
+		Entries:           ix.entries.Load(),
+		ApproxEntries:     ix.approxEntries.Load(),
+		UnknownParent:     ix.unknownParent.Load(),
+		UnknownRemoved:    ix.unknownRemoved.Load(),
+		Rejected:          ix.rejected.Load(),
+		Expired:           ix.expired.Load(),
+		Pruned:            ix.pruned.Load(),
+		OverCapacity:      ix.overCapacity.Load(),
+		TooManyBlockSizes: ix.blockSizes.Load(),
 	}
-	for _, sp := range *ix.spaces.Load() {
+	sps := *ix.spaces.Load()
+	st.Spaces = len(sps)
+	for _, sp := range sps {
 		for i := range sp.shards {
 			sh := &sp.shards[i]
 			sh.mu.RLock()
@@ -509,11 +628,12 @@ func keepNone(uint32) bool { return false }
 // clear drops every entry of wk. The caller holds wk.mu.
 func (ix *Index) clear(wk *worker) {
 	for bs, m := range wk.engine {
-		sp := ix.space(bs)
+		sp := ix.space(bs) // alive: m holds a reference
 		for _, k := range m {
 			ix.unhold(sp, wk, k, keepNone)
 		}
+		ix.releaseSpace(sp)
 	}
-	wk.engine = nil
+	wk.engine, wk.hashes = nil, 0
 	ix.purgeApprox(wk)
 }

@@ -18,10 +18,55 @@ import (
 type model struct {
 	engine map[WorkerID]map[int]map[uint64]uint64   // worker → block size → engine hash → key
 	holds  map[int]map[uint64]map[WorkerID]struct{} // block size → key → workers
+	// spaces are the key spaces in the index's order: made at the end,
+	// the first unused one reclaimed when there are maxSpaces.
+	spaces               []int
+	maxHashes, maxSpaces int
 }
 
-func newModel() *model {
-	return &model{engine: map[WorkerID]map[int]map[uint64]uint64{}, holds: map[int]map[uint64]map[WorkerID]struct{}{}}
+func newModel(opts Options) *model {
+	m := &model{engine: map[WorkerID]map[int]map[uint64]uint64{}, holds: map[int]map[uint64]map[WorkerID]struct{}{},
+		maxHashes: opts.MaxEventEntries, maxSpaces: opts.MaxBlockSizes}
+	if m.maxHashes == 0 {
+		m.maxHashes = DefaultMaxEventEntries
+	}
+	if m.maxSpaces == 0 {
+		m.maxSpaces = DefaultMaxBlockSizes
+	}
+	return m
+}
+
+func (m *model) hashes(w WorkerID) int {
+	n := 0
+	for _, eng := range m.engine[w] {
+		n += len(eng)
+	}
+	return n
+}
+
+// space makes room for block size bs as the index does; the model holds
+// only event-fed entries, so a space is unused when no engine map of its
+// block size is left.
+func (m *model) space(bs int) bool {
+	if slices.Contains(m.spaces, bs) {
+		return true
+	}
+	if len(m.spaces) >= m.maxSpaces {
+		i := slices.IndexFunc(m.spaces, func(s int) bool {
+			for _, byBS := range m.engine {
+				if len(byBS[s]) > 0 {
+					return false
+				}
+			}
+			return true
+		})
+		if i < 0 {
+			return false
+		}
+		m.spaces = slices.Delete(m.spaces, i, i+1)
+	}
+	m.spaces = append(m.spaces, bs)
+	return true
 }
 
 func (m *model) hold(bs int, k uint64, w WorkerID) {
@@ -70,7 +115,16 @@ func (m *model) apply(w WorkerID, ev Event) error {
 				return ErrUnknownParent
 			}
 		}
+		if len(ev.Blocks) == 0 {
+			return nil
+		}
 		if eng == nil {
+			switch {
+			case m.hashes(w) >= m.maxHashes:
+				return ErrWorkerFull
+			case len(m.engine[w]) >= WorkerBlockSizes, !m.space(ev.BlockSize):
+				return ErrTooManyBlockSizes
+			}
 			if m.engine[w] == nil {
 				m.engine[w] = map[int]map[uint64]uint64{}
 			}
@@ -78,6 +132,9 @@ func (m *model) apply(w WorkerID, ev Event) error {
 			m.engine[w][ev.BlockSize] = eng
 		}
 		for i, b := range ev.Blocks {
+			if _, ok := eng[b.EngineHash]; !ok && m.hashes(w) >= m.maxHashes {
+				return ErrWorkerFull
+			}
 			local := LocalHash(b.Tokens, Seed(ev.LoRA, ev.Namespace))
 			if i == 0 && !ev.HasParent {
 				key = local
@@ -103,6 +160,9 @@ func (m *model) apply(w WorkerID, ev Event) error {
 					delete(eng, h)
 					m.unhold(bs, k, w)
 					found = true
+					if len(eng) == 0 {
+						delete(m.engine[w], bs)
+					}
 				}
 			}
 			unknown = unknown || !found
@@ -213,10 +273,11 @@ func (g *eventGen) record(ev Event) {
 	}
 }
 
-// blockSize is mostly 2, so that events and requests meet.
+// blockSize is mostly 2, so that events and requests meet, and sometimes
+// one of three others, so that workers go over WorkerBlockSizes.
 func (g *eventGen) blockSize() int {
-	if g.r.next(6) == 0 {
-		return 1 + 2*g.r.next(2)
+	if g.r.next(3) == 0 {
+		return []int{1, 3, 4}[g.r.next(3)]
 	}
 	return 2
 }
@@ -297,8 +358,15 @@ func (g *eventGen) request() (int, []uint64) {
 // result. Workers are four endpoints; one op removes an endpoint, after
 // which the model treats its next ID as a fresh worker.
 func runModel(t *testing.T, data []byte) {
-	ix, _ := newTestIndex(t, Options{})
-	m := newModel()
+	// Defaults, then caps small enough for a few events to reach: six
+	// blocks per worker, two key spaces for four block sizes.
+	runModelWith(t, data, Options{})
+	runModelWith(t, data, Options{MaxEventEntries: 6, MaxBlockSizes: 2})
+}
+
+func runModelWith(t *testing.T, data []byte, opts Options) {
+	ix, _ := newTestIndex(t, opts)
+	m := newModel(opts)
 	r := &opReader{b: data}
 	g := &eventGen{r: r}
 	names := []string{"a", "b", "c", "d"}
@@ -412,7 +480,7 @@ func TestConcurrentReadersAndWriters(t *testing.T) {
 	models := make([]*model, writers)
 	for i := range ids {
 		ids[i] = ix.Worker(fmt.Sprintf("pod-%d", i), i%2)
-		models[i] = newModel()
+		models[i] = newModel(Options{})
 	}
 	approxW := ix.Worker("approx", 0)
 
