@@ -105,7 +105,7 @@ type Cluster struct {
 
 	mu   sync.Mutex
 	cmd  *exec.Cmd
-	done chan struct{} // closed when cmd has exited
+	done <-chan struct{} // closed when cmd has exited
 	logs bytes.Buffer
 }
 
@@ -490,11 +490,7 @@ func (c *Cluster) start() {
 	if err := cmd.Start(); err != nil {
 		c.t.Fatalf("kubetest: start kube-apiserver: %v", err)
 	}
-	done := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(done)
-	}()
+	done := toolstest.Wait(cmd)
 	c.mu.Lock()
 	c.cmd, c.done = cmd, done
 	c.mu.Unlock()

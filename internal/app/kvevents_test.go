@@ -29,26 +29,7 @@ func TestServeAppliesKVEvents(t *testing.T) {
 	cfgPath := filepath.Join(t.TempDir(), "c.yaml")
 	os.WriteFile(cfgPath, []byte(fmt.Sprintf("endpoints:\n- address: 127.0.0.1:8001\n  kv_events: tcp://%s\n", pub.Addr())), 0o644)
 
-	listen := func() net.Listener {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		return l
-	}
-	ready := make(chan string, 1)
-	ls := &Listeners{GRPC: listen(), Health: listen(), Metrics: listen(), Ready: func(_, _, m string) { ready <- m }}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	o := ServeOptions{ConfigPath: cfgPath, Policy: "kv", MaxBodyBytes: 1 << 20, MaxInflight: 8, DecisionTimeout: time.Second, DrainTimeout: 10 * time.Millisecond, StopGrace: 10 * time.Millisecond, ResponseProcessing: true, LogLevel: "info", LogFormat: "text", MetricsAddr: "x"}
-	go func() { done <- Serve(ctx, o, slog.New(slog.DiscardHandler), ls) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	}()
-	metrics := "http://" + <-ready + "/metrics"
+	metrics := serveConfig(t, cfgPath) + "/metrics"
 
 	tokens := make([]any, 32)
 	for i := range tokens {
@@ -74,6 +55,32 @@ func TestServeAppliesKVEvents(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// serveConfig runs Serve with the config file on loopback ports until the
+// test ends, and returns the admin base URL.
+func serveConfig(t *testing.T, cfgPath string) string {
+	t.Helper()
+	listen := func() net.Listener {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	ready := make(chan string, 1)
+	ls := &Listeners{GRPC: listen(), Health: listen(), Metrics: listen(), Ready: func(_, _, m string) { ready <- m }}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	o := ServeOptions{ConfigPath: cfgPath, Policy: "kv", MaxBodyBytes: 1 << 20, MaxInflight: 8, DecisionTimeout: time.Second, DrainTimeout: 10 * time.Millisecond, StopGrace: 10 * time.Millisecond, ResponseProcessing: true, LogLevel: "info", LogFormat: "text", MetricsAddr: "x"}
+	go func() { done <- Serve(ctx, o, slog.New(slog.DiscardHandler), ls) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	return "http://" + <-ready
 }
 
 func get(t *testing.T, url string) string {
@@ -113,26 +120,7 @@ func TestServeExportsKVConnectionErrors(t *testing.T) {
 	cfgPath := filepath.Join(t.TempDir(), "c.yaml")
 	os.WriteFile(cfgPath, []byte(fmt.Sprintf("endpoints:\n- address: 127.0.0.1:8001\n  kv_events: tcp://%s\n  kv_events_bind: true\n", kvAddr)), 0o644)
 
-	listen := func() net.Listener {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		return l
-	}
-	ready := make(chan string, 1)
-	ls := &Listeners{GRPC: listen(), Health: listen(), Metrics: listen(), Ready: func(_, _, m string) { ready <- m }}
-	ctx, cancel := context.WithCancel(t.Context())
-	done := make(chan error, 1)
-	o := ServeOptions{ConfigPath: cfgPath, Policy: "kv", MaxBodyBytes: 1 << 20, MaxInflight: 8, DecisionTimeout: time.Second, DrainTimeout: 10 * time.Millisecond, StopGrace: 10 * time.Millisecond, ResponseProcessing: true, LogLevel: "info", LogFormat: "text", MetricsAddr: "x"}
-	go func() { done <- Serve(ctx, o, slog.New(slog.DiscardHandler), ls) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	}()
-	metrics := "http://" + <-ready + "/metrics"
+	metrics := serveConfig(t, cfgPath) + "/metrics"
 
 	want := `kvbandit_kv_events_total{endpoint="127.0.0.1:8001",kind="connection_errors"} 1`
 	deadline := time.Now().Add(20 * time.Second)

@@ -92,6 +92,17 @@ func FreePort(t testing.TB) int {
 	return l.Addr().(*net.TCPAddr).Port
 }
 
+// Wait returns a channel closed when the started cmd has exited (its Wait
+// returned): the done channel [Stop] takes.
+func Wait(cmd *exec.Cmd) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		close(done)
+	}()
+	return done
+}
+
 // Stop signals a process started by a test and waits for done (closed when
 // its Wait returned): sig first, then, when grace > 0 and it is still
 // running after grace, SIGKILL. A nil cmd or an exited process is a no-op.

@@ -93,7 +93,7 @@ type Server struct {
 	mu   sync.Mutex
 	port int // 0 until the first start picked one
 	cmd  *exec.Cmd
-	done chan struct{} // closed when cmd has exited
+	done <-chan struct{} // closed when cmd has exited
 }
 
 // Start builds (or finds in the cache) the nats-server binary, starts it on
@@ -255,11 +255,7 @@ func (s *Server) start() error {
 	if err != nil {
 		return fmt.Errorf("start nats-server: %w", err)
 	}
-	done := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(done)
-	}()
+	done := toolstest.Wait(cmd)
 	s.mu.Lock()
 	s.cmd, s.done = cmd, done
 	s.mu.Unlock()

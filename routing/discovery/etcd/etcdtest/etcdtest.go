@@ -32,7 +32,7 @@ type Server struct {
 
 	mu   sync.Mutex
 	cmd  *exec.Cmd
-	done chan struct{} // closed when cmd has exited
+	done <-chan struct{} // closed when cmd has exited
 	logs bytes.Buffer
 }
 
@@ -91,11 +91,7 @@ func (s *Server) start() {
 	if err := cmd.Start(); err != nil {
 		s.t.Fatalf("etcdtest: start etcd: %v", err)
 	}
-	done := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(done)
-	}()
+	done := toolstest.Wait(cmd)
 	s.mu.Lock()
 	s.cmd, s.done = cmd, done
 	s.mu.Unlock()
