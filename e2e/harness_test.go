@@ -171,6 +171,7 @@ type kvb struct {
 	exited   chan struct{}
 	waitErr  error
 	signaled bool
+	killed   bool // SIGKILLed by the test: no clean exit to check
 }
 
 type syncBuffer struct {
@@ -308,7 +309,21 @@ func (k *kvb) waitExit(t *testing.T, within time.Duration) {
 	}
 }
 
+// kill sends SIGKILL (a crash: no drain, nothing released) and waits for
+// the process to go.
+func (k *kvb) kill(t *testing.T) {
+	t.Helper()
+	k.signaled, k.killed = true, true
+	if err := k.cmd.Process.Kill(); err != nil {
+		t.Errorf("SIGKILL: %v", err)
+	}
+	<-k.exited
+}
+
 func (k *kvb) stop(t *testing.T) {
+	if k.killed {
+		return
+	}
 	select {
 	case <-k.exited:
 		if !k.signaled {
