@@ -88,11 +88,11 @@ func outside() int {
 		fmt.Fprintln(os.Stderr, "e2e: building kvbandit:", err)
 		return 1
 	}
-	tools := exec.Command("bash", filepath.Join(root, "tools", "build.sh"), "etcd", "llm-d-inference-sim", "kube-apiserver")
+	tools := exec.Command("bash", filepath.Join(root, "tools", "build.sh"), "etcd", "llm-d-inference-sim", "kube-apiserver", "nats-server")
 	tools.Stderr = os.Stderr
 	out, err := tools.Output()
 	paths := strings.Fields(string(out))
-	if err != nil || len(paths) != 3 {
+	if err != nil || len(paths) != 4 {
 		fmt.Fprintln(os.Stderr, "e2e: building the tools (tools/build.sh):", err)
 		return 1
 	}
@@ -101,10 +101,11 @@ func outside() int {
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		return 1
 	}
-	// kubetest (the Kubernetes suites) reads KVBANDIT_<TOOL> and
-	// KVBANDIT_GIE_CRDS: nothing is downloaded inside the namespace.
+	// kubetest (the Kubernetes suites) and natstest (the replicas suite)
+	// read KVBANDIT_<TOOL>, kubetest also KVBANDIT_GIE_CRDS: nothing is
+	// downloaded inside the namespace.
 	env := []string{envInNetns + "=1", envKvbandit + "=" + bin, envEtcd + "=" + paths[0], envSim + "=" + paths[1],
-		"KVBANDIT_ETCD=" + paths[0], "KVBANDIT_KUBE_APISERVER=" + paths[2], "KVBANDIT_GIE_CRDS=" + crds}
+		"KVBANDIT_ETCD=" + paths[0], "KVBANDIT_KUBE_APISERVER=" + paths[2], "KVBANDIT_NATS_SERVER=" + paths[3], "KVBANDIT_GIE_CRDS=" + crds}
 	for _, setup := range extraSetup {
 		more, err := setup(root, dir)
 		if err != nil {
@@ -170,6 +171,7 @@ type kvb struct {
 	exited   chan struct{}
 	waitErr  error
 	signaled bool
+	killed   bool // SIGKILLed by the test: no clean exit to check
 }
 
 type syncBuffer struct {
@@ -307,7 +309,21 @@ func (k *kvb) waitExit(t *testing.T, within time.Duration) {
 	}
 }
 
+// kill sends SIGKILL (a crash: no drain, nothing released) and waits for
+// the process to go.
+func (k *kvb) kill(t *testing.T) {
+	t.Helper()
+	k.signaled, k.killed = true, true
+	if err := k.cmd.Process.Kill(); err != nil {
+		t.Errorf("SIGKILL: %v", err)
+	}
+	<-k.exited
+}
+
 func (k *kvb) stop(t *testing.T) {
+	if k.killed {
+		return
+	}
 	select {
 	case <-k.exited:
 		if !k.signaled {

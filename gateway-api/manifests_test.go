@@ -89,6 +89,7 @@ func TestManifestsAndChart(t *testing.T) {
 		run(t, helm, "lint", "--strict", chartDir)
 		run(t, helm, "lint", "--strict", chartDir, "--set", "replicas=2,tls.secretName=kvb-tls,tls.clientCASecretName=kvb-ca")
 		run(t, helm, "lint", "--strict", chartDir, "--set", "pool.standalone=true,tls.selfSigned=true")
+		run(t, helm, "lint", "--strict", chartDir, "--set", "replicas=3,sync.nats.servers={nats://nats:4222},sync.nats.auth=token,sync.nats.existingSecret=kvb-nats")
 	})
 
 	cases := []struct {
@@ -148,6 +149,57 @@ func TestManifestsAndChart(t *testing.T) {
 					t.Error("standalone Role grants inferencepools")
 				}
 			}},
+		{name: "replicas=3 sync active-active", leader: false,
+			set: []string{"replicas=3", "sync.nats.servers={nats://nats.nats:4222,nats://nats-2.nats:4222}", "sync.nats.auth=userPassword",
+				"sync.nats.existingSecret=kvb-nats", "sync.nats.tls.secretName=kvb-nats-tls", "sync.nats.tls.mtls=true",
+				"sync.nats.tls.serverName=nats.internal", "sync.nats.subjectPrefix=kvbandit.prod", "config.sync.peer_ttl_ms=5000"},
+			check: func(t *testing.T, args []string, objs []object) {
+				for _, f := range []string{"--sync-nats=nats://nats.nats:4222,nats://nats-2.nats:4222", "--replica-id=$(POD_NAME)"} {
+					if !slices.Contains(args, f) {
+						t.Errorf("args lack %s: %q", f, args)
+					}
+				}
+				d := find(objs, "Deployment", "")
+				c := fmt.Sprint(d.get("spec", "template", "spec", "containers"))
+				for _, want := range []string{"name:KVBANDIT_SYNC_NATS_USER valueFrom:map[secretKeyRef:map[key:user name:kvb-nats]]",
+					"name:KVBANDIT_SYNC_NATS_PASSWORD valueFrom:map[secretKeyRef:map[key:password name:kvb-nats]]",
+					"mountPath:/etc/kvbandit/nats-tls"} {
+					if !strings.Contains(c, want) {
+						t.Errorf("container lacks %s: %s", want, c)
+					}
+				}
+				if strings.Contains(c, "KVBANDIT_SYNC_NATS_TOKEN") {
+					t.Error("userPassword render sets KVBANDIT_SYNC_NATS_TOKEN")
+				}
+				if vols := fmt.Sprint(d.get("spec", "template", "spec", "volumes")); !strings.Contains(vols, "secretName:kvb-nats-tls") {
+					t.Errorf("NATS TLS secret not mounted: %s", vols)
+				}
+				cfg := configOf(t, objs)
+				n := cfg.Sync.NATS
+				if n.TLS.CA != "/etc/kvbandit/nats-tls/ca.crt" || n.TLS.Cert != "/etc/kvbandit/nats-tls/tls.crt" || n.TLS.Key != "/etc/kvbandit/nats-tls/tls.key" ||
+					n.TLS.ServerName != "nats.internal" || n.SubjectPrefix != "kvbandit.prod" || cfg.Sync.PeerTTLMs != 5000 || n.Password != "" || len(n.Servers) != 0 {
+					t.Errorf("config sync section: %+v", cfg.Sync)
+				}
+			}},
+		{name: "sync creds active-passive", leader: true,
+			set: []string{"replicas=2", "leaderElection.enabled=true", "sync.nats.servers={tls://nats.nats:4222}", "sync.nats.auth=creds",
+				"sync.nats.existingSecret=kvb-nats-creds", "sync.nats.tls.secretName=kvb-nats-ca"},
+			check: func(t *testing.T, args []string, objs []object) {
+				if !slices.Contains(args, "--sync-nats=tls://nats.nats:4222") {
+					t.Errorf("args lack --sync-nats: %q", args)
+				}
+				d := find(objs, "Deployment", "")
+				if c := fmt.Sprint(d.get("spec", "template", "spec", "containers")); strings.Contains(c, "KVBANDIT_SYNC_NATS_") || !strings.Contains(c, "mountPath:/etc/kvbandit/nats-creds") {
+					t.Errorf("creds render: NATS env set or creds not mounted: %s", c)
+				}
+				if vols := fmt.Sprint(d.get("spec", "template", "spec", "volumes")); !strings.Contains(vols, "secretName:kvb-nats-creds") {
+					t.Errorf("NATS creds secret not mounted: %s", vols)
+				}
+				cfg := configOf(t, objs)
+				if n := cfg.Sync.NATS; n.CredsFile != "/etc/kvbandit/nats-creds/creds" || n.TLS.CA != "/etc/kvbandit/nats-tls/ca.crt" || n.TLS.Cert != "" {
+					t.Errorf("config sync section: %+v", cfg.Sync)
+				}
+			}},
 	}
 	for _, tc := range cases {
 		t.Run("helm template "+tc.name, func(t *testing.T) {
@@ -188,6 +240,11 @@ func TestManifestsAndChart(t *testing.T) {
 			{"pool.targetPorts={1,2,3,4,5,6,7,8,9}"},
 			{"pool.namespace=elsewhere"},
 			{"pool.standalone=true", "httpRoute.enabled=true"},
+			{"sync.nats.auth=token", "sync.nats.existingSecret=s"},
+			{"sync.nats.servers={nats://n:4222}", "sync.nats.auth=password", "sync.nats.existingSecret=s"},
+			{"sync.nats.servers={nats://n:4222}", "sync.nats.auth=token"},
+			{"sync.nats.servers={nats://n:4222}", "sync.nats.existingSecret=s"},
+			{"sync.nats.servers={nats://n:4222}", "sync.nats.tls.mtls=true"},
 		} {
 			args := []string{"template", release, chartDir, "-n", testNS}
 			for _, s := range set {

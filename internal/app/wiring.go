@@ -232,6 +232,16 @@ func newSyncer(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus
 	}
 	ms := func(n int) time.Duration { return time.Duration(n) * time.Millisecond }
 	n := sc.NATS
+	// Credentials may come from the environment (a Kubernetes Secret, as
+	// the Helm chart passes them) rather than the config file.
+	for _, e := range []struct {
+		v   *string
+		env string
+	}{{&n.User, "KVBANDIT_SYNC_NATS_USER"}, {&n.Password, "KVBANDIT_SYNC_NATS_PASSWORD"}, {&n.Token, "KVBANDIT_SYNC_NATS_TOKEN"}} {
+		if *e.v == "" {
+			*e.v = os.Getenv(e.env)
+		}
+	}
 	sy, err := rsync.New(rsync.Config{
 		Servers: servers, Pool: pool, Replica: replica, SubjectPrefix: n.SubjectPrefix,
 		CredsFile: n.CredsFile, User: n.User, Password: n.Password, Token: n.Token,

@@ -49,9 +49,48 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- default .Release.Namespace .Values.pool.namespace }}
 {{- end }}
 
-{{/* Leader election: on with more than one replica, or when forced. */}}
+{{/* Active-active sync over NATS: on with sync.nats.servers. */}}
+{{- define "kvbandit.sync" -}}
+{{- if .Values.sync.nats.servers }}true{{ end }}
+{{- end }}
+
+{{/* Leader election: on with more than one replica and no sync, or when forced. */}}
 {{- define "kvbandit.leaderElect" -}}
-{{- if or (gt (int .Values.replicas) 1) .Values.leaderElection.enabled }}true{{ end }}
+{{- if or (and (gt (int .Values.replicas) 1) (not (include "kvbandit.sync" .))) .Values.leaderElection.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The --config file: .Values.config, plus sync.nats's files and names. */}}
+{{- define "kvbandit.config" -}}
+{{- $cfg := deepCopy .Values.config }}
+{{- $n := .Values.sync.nats }}
+{{- if include "kvbandit.sync" . }}
+{{- $sync := deepCopy (default (dict) (get $cfg "sync")) }}
+{{- $nats := deepCopy (default (dict) (get $sync "nats")) }}
+{{- if eq $n.auth "creds" }}
+{{- $_ := set $nats "creds_file" "/etc/kvbandit/nats-creds/creds" }}
+{{- end }}
+{{- if $n.tls.secretName }}
+{{- $tls := dict "ca" "/etc/kvbandit/nats-tls/ca.crt" }}
+{{- if $n.tls.mtls }}
+{{- $_ := set $tls "cert" "/etc/kvbandit/nats-tls/tls.crt" }}
+{{- $_ := set $tls "key" "/etc/kvbandit/nats-tls/tls.key" }}
+{{- end }}
+{{- with $n.tls.serverName }}
+{{- $_ := set $tls "server_name" . }}
+{{- end }}
+{{- $_ := set $nats "tls" $tls }}
+{{- end }}
+{{- with $n.subjectPrefix }}
+{{- $_ := set $nats "subject_prefix" . }}
+{{- end }}
+{{- if $nats }}
+{{- $_ := set $sync "nats" $nats }}
+{{- end }}
+{{- if $sync }}
+{{- $_ := set $cfg "sync" $sync }}
+{{- end }}
+{{- end }}
+{{- toYaml $cfg }}
 {{- end }}
 
 {{- define "kvbandit.leaseName" -}}
@@ -80,6 +119,19 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- if and .Values.pool.create (not .Values.pool.standalone) (ne (include "kvbandit.poolNamespace" .) .Release.Namespace) }}
 {{- fail "pool.create: the pool's endpointPickerRef is a local reference, so install the release in pool.namespace" }}
+{{- end }}
+{{- $n := .Values.sync.nats }}
+{{- if not (has $n.auth (list "" "userPassword" "token" "creds")) }}
+{{- fail "sync.nats.auth is \"\", userPassword, token or creds" }}
+{{- end }}
+{{- if and (not $n.servers) (or $n.auth $n.existingSecret $n.tls.secretName $n.tls.mtls $n.subjectPrefix) }}
+{{- fail "sync.nats.* needs sync.nats.servers" }}
+{{- end }}
+{{- if ne (empty $n.auth) (empty $n.existingSecret) }}
+{{- fail "sync.nats.auth and sync.nats.existingSecret go together" }}
+{{- end }}
+{{- if and $n.tls.mtls (not $n.tls.secretName) }}
+{{- fail "sync.nats.tls.mtls needs sync.nats.tls.secretName (ca.crt, tls.crt, tls.key)" }}
 {{- end }}
 {{- if and .Values.httpRoute.enabled .Values.pool.standalone }}
 {{- fail "httpRoute.enabled needs an InferencePool (pool.standalone is true)" }}
