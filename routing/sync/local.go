@@ -114,7 +114,8 @@ func (s *Syncer) run() {
 	defer hb.Stop()
 	snap := time.NewTicker(s.cfg.SnapshotInterval)
 	defer snap.Stop()
-	sweep := time.NewTicker(min(s.cfg.HeartbeatInterval, s.cfg.PeerTTL/4))
+	// A tenth of the TTL: a silent peer is dropped at most TTL/10 late.
+	sweep := time.NewTicker(min(s.cfg.HeartbeatInterval, s.cfg.PeerTTL/10))
 	defer sweep.Stop()
 	batch := time.NewTimer(time.Hour)
 	batch.Stop()
