@@ -29,8 +29,8 @@
 // republishes it (routing/sync); its peers feed it to their own Sub for
 // the endpoint with [Sub.Push], which queues it like a received message
 // (same bounds, same sequence checks, never blocking). Pushed messages are
-// not tapped, so nothing is republished twice, and a bound Sub ignores
-// them while a publisher is connected to it (counted as PushIgnored).
+// not tapped, so nothing is republished twice, and a Sub ignores them
+// while its own socket has a connection (counted as PushIgnored).
 //
 // # Lifecycle
 //

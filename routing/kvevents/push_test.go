@@ -79,8 +79,8 @@ func TestPushSequenceChecks(t *testing.T) {
 }
 
 // TestOnMessageTapsWorkerMessages: OnMessage sees each message from the
-// worker once (not the repeats of join), with its payload, but neither an
-// undecodable one nor a pushed one.
+// worker once (not the repeats of join), with its payload, but not an
+// undecodable one; a Sub connected to the worker's PUB ignores pushes.
 func TestOnMessageTapsWorkerMessages(t *testing.T) {
 	pub, addr := newPub(t)
 	r, tp := &recorder{}, &tap{}
@@ -91,8 +91,8 @@ func TestOnMessageTapsWorkerMessages(t *testing.T) {
 	second := storedMsg(t, 2, 11, nil)
 	send(t, pub, second)
 	eventually(t, "worker messages", func() bool { return s.Stats().Messages == 2 })
-	s.Push(3, storedMsg(t, 3, 12, 11)[2]) // connect mode: pushes apply
-	eventually(t, "pushed message", func() bool { return s.Stats().Messages == 3 })
+	s.Push(3, storedMsg(t, 3, 12, 11)[2]) // connected to the worker: ignored
+	eventually(t, "push ignored", func() bool { return s.Stats().PushIgnored == 1 })
 	seqs, payloads := tp.got()
 	if !slices.Equal(seqs, []uint64{0, 2}) {
 		t.Fatalf("OnMessage seqs %v; want [0 2]", seqs)

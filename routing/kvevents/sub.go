@@ -91,8 +91,9 @@ type Stats struct {
 	Malformed uint64 // messages that failed to decode
 	Dropped   uint64 // messages dropped because the queue was full (by count or bytes), pushed ones included
 	Pushed    uint64 // messages fed with Push and queued
-	// PushIgnored counts pushed messages ignored because a publisher was
-	// connected to this Sub's own bound socket: the worker then reaches
+	// PushIgnored counts pushed messages ignored because this Sub's own
+	// socket had a connection open (a publisher dialed its bound socket,
+	// or it is connected to the worker's PUB): the worker then reaches
 	// this replica directly, and a peer's copies, which may arrive late,
 	// would read as a restart.
 	PushIgnored    uint64
@@ -327,7 +328,7 @@ func (s *Sub) applyLoop() {
 		if s.ctx.Err() != nil {
 			continue // closing: discard
 		}
-		if m.pushed && s.cfg.Bind && s.sock.Stats().Conns > 0 {
+		if m.pushed && s.sock.Stats().Conns > 0 {
 			s.c.pushIgnored.Add(1)
 			continue
 		}
