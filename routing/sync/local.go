@@ -124,6 +124,7 @@ func (s *Syncer) run() {
 		case <-s.stop:
 			batch.Stop()
 			s.flush()
+			s.flushKV()
 			return
 		case <-s.kick:
 			if waiting == nil {
@@ -135,6 +136,8 @@ func (s *Syncer) run() {
 			s.flush()
 		case <-s.urgent:
 			s.flush()
+		case <-s.kvKick:
+			s.flushKV()
 		case <-hb.C:
 			s.heartbeat()
 		case <-snap.C:
