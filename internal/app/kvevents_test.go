@@ -59,7 +59,7 @@ func TestServeAppliesKVEvents(t *testing.T) {
 
 // serveConfig runs Serve with the config file on loopback ports until the
 // test ends, and returns the admin base URL.
-func serveConfig(t *testing.T, cfgPath string) string {
+func serveConfig(t *testing.T, cfgPath string, edit ...func(*ServeOptions)) string {
 	t.Helper()
 	listen := func() net.Listener {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -73,6 +73,9 @@ func serveConfig(t *testing.T, cfgPath string) string {
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	o := ServeOptions{ConfigPath: cfgPath, Policy: "kv", MaxBodyBytes: 1 << 20, MaxInflight: 8, DecisionTimeout: time.Second, DrainTimeout: 10 * time.Millisecond, StopGrace: 10 * time.Millisecond, ResponseProcessing: true, LogLevel: "info", LogFormat: "text", MetricsAddr: "x"}
+	for _, e := range edit {
+		e(&o)
+	}
 	go func() { done <- Serve(ctx, o, slog.New(slog.DiscardHandler), ls) }()
 	t.Cleanup(func() {
 		cancel()

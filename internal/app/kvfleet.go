@@ -2,6 +2,7 @@ package app
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"sync"
 	"sync/atomic"
@@ -21,6 +22,10 @@ type kvFleet struct {
 	ctx    context.Context
 	engine *routing.Engine
 	log    *slog.Logger
+	// publish, when set (active-active replicas), republishes the
+	// messages a worker sends to a bound socket (kv_events_bind), which
+	// only this replica receives. Set before the first Follow.
+	publish func(endpoint string, seq uint64, payload []byte)
 
 	mu      sync.Mutex
 	subs    map[routing.EndpointKey]*kvSub
@@ -64,8 +69,13 @@ func (f *kvFleet) Follow(set routing.EndpointSet) []error {
 		if _, ok := f.subs[k]; ok {
 			continue
 		}
+		var tap func(string, uint64, []byte)
+		if ep.KVEventsBind {
+			tap = f.publish
+		}
 		sub, err := kvevents.Subscribe(f.ctx, kvevents.Config{Endpoint: string(k), Address: ep.KVEvents, Bind: ep.KVEventsBind, ReplayAddress: ep.KVEventsReplay, FirstSeq: ep.KVEventsFirstSeq}, kvevents.Deps{
-			Logger: f.log,
+			Logger:    f.log,
+			OnMessage: tap,
 			Apply: func(_ string, rank int, ev kvindex.Event) error {
 				return f.engine.ApplyKVEvent(k, rank, ev)
 			},
@@ -91,6 +101,20 @@ func (f *kvFleet) closeLocked(k routing.EndpointKey, s *kvSub) {
 		f.retired[c.kind] += c.n
 	}
 	delete(f.subs, k)
+}
+
+// Push feeds a KV-event message a peer replica republished to the
+// endpoint's subscriber (kvevents.Sub.Push: never blocks). An endpoint
+// without a subscriber here is routing.ErrUnknownEndpoint.
+func (f *kvFleet) Push(k routing.EndpointKey, seq uint64, payload []byte) error {
+	f.mu.Lock()
+	s, ok := f.subs[k]
+	f.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("%w: %s: no KV-event subscriber", routing.ErrUnknownEndpoint, k)
+	}
+	s.sub.Push(seq, payload)
+	return nil
 }
 
 // Addr returns the bound address of an endpoint's subscriber (bind mode),

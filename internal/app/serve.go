@@ -409,6 +409,12 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		fleet = newKVFleet(bgCtx, engine, log)
 		defer fleet.Close()
 		reg.MustRegister(fleet)
+		if parts.sync != nil {
+			// Workers that dial this replica's bound socket reach no other
+			// replica: republish their events, and take the peers'.
+			fleet.publish = parts.sync.PublishKVEvents
+			parts.kvTarget.Store(fleet)
+		}
 	}
 	if static != nil {
 		// A static set is checked now: a bad one is a start-up error.

@@ -2,10 +2,19 @@ package app
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
+	"fmt"
+	"net"
 	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvbandit/kvbandit/e2e/worker"
 	"github.com/kvbandit/kvbandit/routing/sync/natstest"
@@ -146,4 +155,119 @@ sync:
 			t.Errorf("%q: accepted", bad)
 		}
 	}
+}
+
+// freeAddr is a loopback address with a port free now.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// TestServeSyncRepublishesBoundKVEvents: a worker that dials only replica
+// A's bound KV-event socket (kv_events_bind, llm-d-inference-sim style)
+// feeds replica B's event index too: A republishes its messages over NATS
+// and B pushes them into its own subscriber for the endpoint (B binds
+// another port for it: one host). A's other bound endpoint is unknown to
+// B: counted, not applied.
+func TestServeSyncRepublishesBoundKVEvents(t *testing.T) {
+	srv := natstest.Start(t, natstest.Options{})
+	dir := t.TempDir()
+	aAddr, aOther, bAddr := freeAddr(t), freeAddr(t), freeAddr(t)
+	cfgA, cfgB := filepath.Join(dir, "a.yaml"), filepath.Join(dir, "b.yaml")
+	os.WriteFile(cfgA, []byte(fmt.Sprintf("router: {kv_events: true}\nendpoints:\n- address: 127.0.0.1:8001\n  kv_events: tcp://%s\n  kv_events_bind: true\n- address: 127.0.0.1:8002\n  kv_events: tcp://%s\n  kv_events_bind: true\n", aAddr, aOther)), 0o644)
+	os.WriteFile(cfgB, []byte(fmt.Sprintf("router: {kv_events: true}\nendpoints:\n- address: 127.0.0.1:8001\n  kv_events: tcp://%s\n  kv_events_bind: true\n", bAddr)), 0o644)
+	replica := func(id string) func(*ServeOptions) {
+		return func(o *ServeOptions) { o.SyncNATS, o.ReplicaID = srv.URL(), id }
+	}
+	a := serveConfig(t, cfgA, replica("replica-a"))
+	b := serveConfig(t, cfgB, replica("replica-b"))
+
+	// Only messages A receives after B listens are republished to it:
+	// wait until they hear each other.
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	c := &http.Client{Transport: tr}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var ra, rb struct {
+			Peers []struct{} `json:"peers"`
+		}
+		getJSON(t, c, a+"/debug/replicas", &ra)
+		getJSON(t, c, b+"/debug/replicas", &rb)
+		if len(ra.Peers) == 1 && len(rb.Peers) == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("replicas do not see each other")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+
+	tokens := make([]any, 32)
+	for i := range tokens {
+		tokens[i] = uint32(i + 1)
+	}
+	msg := func(seq uint64, hashes []any, parent any) [][]byte {
+		ev := []any{"BlockStored", hashes, parent, tokens, 16, nil, "GPU", nil}
+		payload, err := msgpack.Marshal([]any{1.0, []any{ev}, 0})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return [][]byte{[]byte("kv@127.0.0.1@m"), binary.BigEndian.AppendUint64(nil, seq), payload}
+	}
+	dial := func(addr string) zmq4.Socket {
+		pub := zmq4.NewPub(t.Context())
+		if err := pub.Dial("tcp://" + addr); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { pub.Close() })
+		return pub
+	}
+	pub, other := dial(aAddr), dial(aOther)
+	// PUB drops what is sent before the connection is up: repeat the first
+	// message (A drops the repeats as duplicates and republishes it once)
+	// until B has it, then send the next one.
+	want := func(what, base string, sends func(), lines ...string) {
+		t.Helper()
+		deadline := time.Now().Add(15 * time.Second)
+		for {
+			if sends != nil {
+				sends()
+			}
+			body := get(t, base+"/metrics")
+			ok := true
+			for _, l := range lines {
+				ok = ok && strings.Contains(body, l)
+			}
+			if ok {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: want %q in\n%s", what, lines, grepLines(body, "kvbandit_index_entries", "kvbandit_kv_events", "kvbandit_sync"))
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	send := func(s zmq4.Socket, f [][]byte) func() {
+		return func() {
+			if err := s.Send(zmq4.NewMsgFrom(f...)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	want("B indexes the first message", b, send(pub, msg(0, []any{uint64(11), uint64(12)}, nil)),
+		`kvbandit_index_entries{mode="event"} 2`, `kvbandit_kv_events_trusted{endpoint="127.0.0.1:8001"} 1`)
+	send(pub, msg(1, []any{uint64(13), uint64(14)}, uint64(12)))()
+	want("B indexes the second message in order", b, nil,
+		`kvbandit_index_entries{mode="event"} 4`, `kvbandit_kv_events_trusted{endpoint="127.0.0.1:8001"} 1`,
+		`kvbandit_kv_events_total{endpoint="127.0.0.1:8001",kind="messages"} 2`, `kvbandit_kv_events_total{endpoint="127.0.0.1:8001",kind="gaps"} 0`)
+	want("A indexes them too", a, nil, `kvbandit_kv_events_total{endpoint="127.0.0.1:8001",kind="messages"} 2`, `kvbandit_kv_events_trusted{endpoint="127.0.0.1:8001"} 1`)
+	want("B refuses the endpoint it does not know", b, send(other, msg(0, []any{uint64(21), uint64(22)}, nil)),
+		`kvbandit_sync_rejected_total{reason="unknown_endpoint"} 1`)
+	want("A sent three kv_events messages", a, nil, `kvbandit_sync_messages_total{direction="sent",kind="kv_events"} 3`)
 }

@@ -7,6 +7,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -27,8 +28,23 @@ type engineParts struct {
 	policy routing.Policy
 	// sync shares state with the pool's other replicas; nil without
 	// --sync-nats / sync.nats.servers.
-	sync   *rsync.Syncer
-	closes []func()
+	sync *rsync.Syncer
+	// kvTarget receives peers' republished KV events (Serve sets it once
+	// the fleet exists); nil: KV events off or not yet.
+	kvTarget atomic.Pointer[kvFleet]
+	closes   []func()
+}
+
+// pushKVEvents is the Syncer's OnKVEvents: a peer's republished KV-event
+// message goes to this replica's subscriber for the endpoint. An endpoint
+// without one here (unknown, no kv_events, KV events off) is refused as
+// routing.ErrUnknownEndpoint, which the Syncer counts.
+func (p *engineParts) pushKVEvents(endpoint string, seq uint64, payload []byte) error {
+	f := p.kvTarget.Load()
+	if f == nil {
+		return fmt.Errorf("%w: %s: KV events are off", routing.ErrUnknownEndpoint, endpoint)
+	}
+	return f.Push(routing.EndpointKey(endpoint), seq, payload)
 }
 
 func (p *engineParts) close() {
@@ -122,7 +138,7 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 		}
 		parts.closes = append(parts.closes, func() { _ = dlog.Close() })
 	}
-	sy, err := newSyncer(o, cfg, log, reg)
+	sy, err := newSyncer(o, cfg, log, reg, parts.pushKVEvents)
 	if err != nil {
 		parts.close()
 		return nil, err
@@ -199,7 +215,7 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 // newSyncer makes the routing/sync Syncer when NATS servers are given
 // (--sync-nats, else sync.nats.servers); nil otherwise. The pool is
 // --pool-name, else --etcd-pool with etcd discovery, else "default".
-func newSyncer(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus.Registerer) (*rsync.Syncer, error) {
+func newSyncer(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus.Registerer, onKV func(string, uint64, []byte) error) (*rsync.Syncer, error) {
 	sc := cfg.Sync
 	servers := sc.NATS.Servers
 	if o.SyncNATS != "" {
@@ -248,7 +264,7 @@ func newSyncer(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus
 		TLS:           rsync.TLSConfig{CA: n.TLS.CA, Cert: n.TLS.Cert, Key: n.TLS.Key, ServerName: n.TLS.ServerName, InsecureSkipVerify: n.TLS.InsecureSkipVerify},
 		BatchInterval: ms(sc.BatchIntervalMs), SnapshotInterval: ms(sc.SnapshotIntervalMs),
 		HeartbeatInterval: ms(sc.HeartbeatIntervalMs), PeerTTL: ms(sc.PeerTTLMs),
-	}, rsync.Deps{Logger: log, Registry: reg})
+	}, rsync.Deps{Logger: log, Registry: reg, OnKVEvents: onKV})
 	if err != nil {
 		return nil, fmt.Errorf("%w: sync: %w", ErrUsage, err)
 	}

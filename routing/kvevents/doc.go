@@ -19,7 +19,18 @@
 // socket's accept or dial loop. They only move messages into a queue
 // bounded in messages and bytes (dropping and counting when it is full).
 // One applier goroutine checks sequence numbers, replays gaps and calls
-// Apply; Apply, OnTrust and OnResync are called from it only.
+// Apply; Apply, OnTrust, OnResync and OnMessage are called from it only.
+//
+// # Republished events
+//
+// A worker that dials a router's bound socket reaches one replica only.
+// That replica's Deps.OnMessage tap sees every message from the worker
+// (received or replayed) that passed the sequence checks and decoded, and
+// republishes it (routing/sync); its peers feed it to their own Sub for
+// the endpoint with [Sub.Push], which queues it like a received message
+// (same bounds, same sequence checks, never blocking). Pushed messages are
+// not tapped, so nothing is republished twice, and a Sub ignores them
+// while its own socket has a connection (counted as PushIgnored).
 //
 // # Lifecycle
 //

@@ -71,16 +71,32 @@ type Deps struct {
 	// worker, or a message that could not be decoded. Replay, when
 	// configured, is attempted right after it. Optional.
 	OnResync func(endpoint string)
+	// OnMessage is a tap on the messages this Sub receives from the worker
+	// itself (on its socket, or replayed): it is called from the apply
+	// goroutine for each one that passed the sequence checks (duplicates
+	// are not passed on) and decoded, before its events are applied, so
+	// that a replica can republish them for its peers (issue 12). Messages
+	// fed with Push are never passed to it (no republish loops). payload is
+	// the message's third frame; it is not modified afterwards and may be
+	// retained, but must not be modified. It must not block. Optional.
+	OnMessage func(endpoint string, seq uint64, payload []byte)
 }
 
 // Stats are a Sub's counters since Subscribe.
 type Stats struct {
-	Messages       uint64 // messages decoded and applied, replayed ones included
-	Events         uint64 // events passed to Apply
-	Blocks         uint64 // stored blocks passed to Apply
-	Ignored        uint64 // events of other KV groups or media
-	Malformed      uint64 // messages that failed to decode
-	Dropped        uint64 // messages dropped because the queue was full (by count or bytes)
+	Messages  uint64 // messages decoded and applied, replayed ones included
+	Events    uint64 // events passed to Apply
+	Blocks    uint64 // stored blocks passed to Apply
+	Ignored   uint64 // events of other KV groups or media
+	Malformed uint64 // messages that failed to decode
+	Dropped   uint64 // messages dropped because the queue was full (by count or bytes), pushed ones included
+	Pushed    uint64 // messages fed with Push and queued
+	// PushIgnored counts pushed messages ignored because this Sub's own
+	// socket had a connection open (a publisher dialed its bound socket,
+	// or it is connected to the worker's PUB): the worker then reaches
+	// this replica directly, and a peer's copies, which may arrive late,
+	// would read as a restart.
+	PushIgnored    uint64
 	Duplicates     uint64 // messages with the last sequence number again
 	Gaps           uint64 // sequence gaps, drops included
 	Restarts       uint64 // sequence went backwards (worker restart)
@@ -119,16 +135,19 @@ type Sub struct {
 	addr     net.Addr // bound address in bind mode
 	ctx      context.Context
 	cancel   context.CancelFunc
-	queue    chan [][]byte
+	queue    chan message
 	queued   atomic.Int64 // bytes in queue
 	wg       sync.WaitGroup
 	stopOnce sync.Once
-	stopCtx  func() bool // unregisters the shutdown on ctx
+	// qmu orders Push against closing the queue: Push holds it shared.
+	qmu     sync.RWMutex
+	qclosed bool
+	stopCtx func() bool // unregisters the shutdown on ctx
 
 	c struct {
 		messages, events, blocks, ignored, malformed, dropped, duplicates,
 		gaps, restarts, resyncs, replays, replayFailures, unknownParent,
-		unknownBlock, indexLimit, applyErrors atomic.Uint64
+		unknownBlock, indexLimit, applyErrors, pushed, pushIgnored atomic.Uint64
 	}
 	trusted atomic.Bool
 
@@ -137,6 +156,12 @@ type Sub struct {
 	last    uint64
 	trust   int8 // -1 unknown, 0 false, 1 true
 	ranks   map[int]struct{}
+}
+
+// message is one queued ZMQ message: [topic, seq (8 bytes BE), payload].
+type message struct {
+	frames [][]byte
+	pushed bool // fed with Push, not received from the worker
 }
 
 // Subscribe starts receiving one endpoint's KV events. In bind mode the
@@ -183,7 +208,7 @@ func Subscribe(ctx context.Context, cfg Config, deps Deps) (*Sub, error) {
 		Logger:           s.log,
 	}
 	s.ctx, s.cancel = context.WithCancel(ctx)
-	s.queue = make(chan [][]byte, cfg.QueueSize)
+	s.queue = make(chan message, cfg.QueueSize)
 	s.sock = zmtp.NewSub(s.zopts, s.enqueue)
 	var err error
 	if cfg.Bind {
@@ -208,7 +233,10 @@ func (s *Sub) shutdown() {
 	s.stopOnce.Do(func() {
 		s.cancel()
 		_ = s.sock.Close()
+		s.qmu.Lock()
+		s.qclosed = true
 		close(s.queue)
+		s.qmu.Unlock()
 	})
 }
 
@@ -239,6 +267,7 @@ func (s *Sub) Stats() Stats {
 		Resyncs: s.c.resyncs.Load(), Replays: s.c.replays.Load(), ReplayFailures: s.c.replayFailures.Load(),
 		UnknownParent: s.c.unknownParent.Load(), UnknownBlock: s.c.unknownBlock.Load(),
 		IndexLimit: s.c.indexLimit.Load(), ApplyErrors: s.c.applyErrors.Load(), Trusted: s.trusted.Load(),
+		Pushed: s.c.pushed.Load(), PushIgnored: s.c.pushIgnored.Load(),
 		Connections: z.Conns, ConnectionsRejected: z.Rejected, ConnectionsEvicted: z.Evicted,
 		ConnectionErrors: z.HandshakeFailures + z.Failures,
 	}
@@ -247,34 +276,63 @@ func (s *Sub) Stats() Stats {
 // enqueue moves a message from a connection goroutine to the apply loop;
 // it never waits. A message over the queue's count or byte bound is
 // dropped: the sequence gap that follows triggers the resync.
-func (s *Sub) enqueue(frames [][]byte) {
+func (s *Sub) enqueue(frames [][]byte) { s.put(message{frames: frames}) }
+
+// Push feeds one message of the worker received from elsewhere (a peer
+// replica that republished it) into the same queue and apply path as the
+// socket's: the same sequence checks (a duplicate is dropped, a gap
+// resyncs or makes the view approximate), bounds and decoding. It never
+// blocks: over the queue's bounds, or after Close, the message is dropped
+// (counted, except after Close). payload is retained until applied and
+// must not be modified. Pushed messages are not passed to OnMessage.
+func (s *Sub) Push(seq uint64, payload []byte) {
+	frames := [][]byte{nil, binary.BigEndian.AppendUint64(make([]byte, 0, 8), seq), payload}
+	s.qmu.RLock()
+	defer s.qmu.RUnlock()
+	if s.qclosed {
+		return
+	}
+	if s.put(message{frames: frames, pushed: true}) {
+		s.c.pushed.Add(1)
+	}
+}
+
+// put queues m unless it is over the queue's count or byte bound (then it
+// is dropped and counted); it never waits. The queue must be open.
+func (s *Sub) put(m message) bool {
 	n := 0
-	for _, f := range frames {
+	for _, f := range m.frames {
 		n += len(f)
 	}
 	if s.queued.Add(int64(n)) > int64(s.cfg.QueueBytes) {
 		s.queued.Add(-int64(n))
 		s.c.dropped.Add(1)
-		return
+		return false
 	}
 	select {
-	case s.queue <- frames:
+	case s.queue <- m:
+		return true
 	default:
 		s.queued.Add(-int64(n))
 		s.c.dropped.Add(1)
+		return false
 	}
 }
 
 func (s *Sub) applyLoop() {
 	defer s.wg.Done()
-	for frames := range s.queue {
-		for _, f := range frames {
+	for m := range s.queue {
+		for _, f := range m.frames {
 			s.queued.Add(-int64(len(f)))
 		}
 		if s.ctx.Err() != nil {
 			continue // closing: discard
 		}
-		s.handle(frames)
+		if m.pushed && s.sock.Stats().Conns > 0 {
+			s.c.pushIgnored.Add(1)
+			continue
+		}
+		s.handle(m)
 	}
 }
 
@@ -286,7 +344,8 @@ func seqOf(frames [][]byte) (uint64, bool) {
 }
 
 // handle runs the sequence checks for one live message, then applies it.
-func (s *Sub) handle(frames [][]byte) {
+func (s *Sub) handle(m message) {
+	frames := m.frames
 	seq, ok := seqOf(frames)
 	if !ok {
 		// Without a sequence number we cannot tell whether anything was
@@ -322,7 +381,7 @@ func (s *Sub) handle(frames [][]byte) {
 		s.log.Info("kv events: sequence gap", "from", s.last+1, "to", seq-1)
 		s.resync(s.last+1, seq)
 	}
-	s.applyMsg(seq, frames)
+	s.applyMsg(seq, frames, !m.pushed)
 }
 
 func (s *Sub) resyncNotify() {
@@ -370,8 +429,9 @@ func (s *Sub) clearAll() {
 	}
 }
 
-// applyMsg decodes and applies one message and makes seq the last one.
-func (s *Sub) applyMsg(seq uint64, frames [][]byte) {
+// applyMsg decodes and applies one message and makes seq the last one;
+// tap passes a message from the worker itself to OnMessage.
+func (s *Sub) applyMsg(seq uint64, frames [][]byte, tap bool) {
 	s.last = seq
 	b, err := Decode(frames)
 	if err != nil {
@@ -380,6 +440,9 @@ func (s *Sub) applyMsg(seq uint64, frames [][]byte) {
 		s.resyncNotify()
 		s.setTrust(false)
 		return
+	}
+	if tap && s.deps.OnMessage != nil {
+		s.deps.OnMessage(s.cfg.Endpoint, seq, frames[2])
 	}
 	s.c.messages.Add(1)
 	s.c.ignored.Add(uint64(b.Ignored))
@@ -480,7 +543,7 @@ func (s *Sub) doReplay(from, until uint64) bool {
 			if seq >= until {
 				return false
 			}
-			s.applyMsg(seq, [][]byte{nil, f[0], f[1]})
+			s.applyMsg(seq, [][]byte{nil, f[0], f[1]}, true)
 			next = seq + 1
 			for next < until {
 				if !s.replayNext(sock, &next) {
@@ -492,7 +555,7 @@ func (s *Sub) doReplay(from, until uint64) bool {
 		if seq >= until {
 			return true
 		}
-		s.applyMsg(seq, [][]byte{nil, f[0], f[1]})
+		s.applyMsg(seq, [][]byte{nil, f[0], f[1]}, true)
 		next = seq + 1
 		if next >= until {
 			return true
@@ -516,7 +579,7 @@ func (s *Sub) replayNext(sock *zmtp.Conn, next *uint64) bool {
 	if seq == endSeq || seq != *next {
 		return false
 	}
-	s.applyMsg(seq, [][]byte{nil, f[0], f[1]})
+	s.applyMsg(seq, [][]byte{nil, f[0], f[1]}, true)
 	*next = seq + 1
 	return true
 }

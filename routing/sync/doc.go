@@ -33,6 +33,18 @@
 // is a restarted peer: its old decisions end. A peer silent for PeerTTL
 // (3 s) is forgotten and its decisions end.
 //
+// # KV events
+//
+// A worker that dials a router's bound KV-event socket (llm-d-inference-
+// sim style) reaches one replica. That replica republishes each of the
+// worker's messages with [Syncer.PublishKVEvents] (one KindKVEvents
+// message on <prefix>.kv_events each, queued for the flusher within
+// Config.MaxKVQueueBytes, 8 MiB, never blocking); its peers hand them to
+// Deps.OnKVEvents, which feeds their own subscriber for the endpoint
+// (kvevents.Sub.Push: the same sequence checks, so a lost message is a gap
+// and makes the peer's view approximate, as it would for a local drop).
+// Republished messages are not republished again.
+//
 // NATS Core is at-most-once: a lost message is repaired by the next
 // snapshot (at most SnapshotInterval later), and a queue that overflows
 // drops items the same way (counted). NATS unreachable at start or later

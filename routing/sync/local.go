@@ -125,6 +125,7 @@ func (s *Syncer) run() {
 		case <-s.stop:
 			batch.Stop()
 			s.flush()
+			s.flushKV()
 			return
 		case <-s.kick:
 			if waiting == nil {
@@ -136,6 +137,8 @@ func (s *Syncer) run() {
 			s.flush()
 		case <-s.urgent:
 			s.flush()
+		case <-s.kvKick:
+			s.flushKV()
 		case <-hb.C:
 			s.heartbeat()
 		case <-snap.C:

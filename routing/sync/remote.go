@@ -111,9 +111,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	case wire.KindHeartbeat:
 		p.lastHB, p.reported, p.interval = now, m.Heartbeat.InFlight, m.Heartbeat.Interval
 	case wire.KindKVEvents:
-		// Republished KV events are not consumed yet: every replica keeps
-		// its own event-fed index.
-		s.m.dropped.WithLabelValues("unsupported").Inc()
+		s.receiveKV(&m.KVEvents)
 	}
 }
 

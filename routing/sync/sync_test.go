@@ -79,9 +79,16 @@ func newNode(t testing.TB, cfg Config, opts routing.Options) *node {
 // Syncer (a baseline for benchmarks).
 func newNodeWith(t testing.TB, cfg Config, opts routing.Options, hooks bool) *node {
 	t.Helper()
+	return newNodeDeps(t, cfg, opts, hooks, Deps{})
+}
+
+// newNodeDeps makes a node whose Syncer gets deps (Logger and Registry
+// are the node's).
+func newNodeDeps(t testing.TB, cfg Config, opts routing.Options, hooks bool, deps Deps) *node {
+	t.Helper()
 	n := &node{name: cfg.Replica, reg: prometheus.NewRegistry(), log: &syncBuf{}}
-	logger := slog.New(slog.NewTextHandler(n.log, nil))
-	s, err := New(cfg, Deps{Logger: logger, Registry: n.reg})
+	deps.Logger, deps.Registry = slog.New(slog.NewTextHandler(n.log, nil)), n.reg
+	s, err := New(cfg, deps)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -97,11 +104,11 @@ func newNodeWith(t testing.TB, cfg Config, opts routing.Options, hooks bool) *no
 	}
 	n.pol = p.(*kvbandit.Policy)
 	opts.SyncIndex = true
-	deps := routing.Deps{Rand: rnd, Logger: slog.New(slog.DiscardHandler)}
+	rdeps := routing.Deps{Rand: rnd, Logger: slog.New(slog.DiscardHandler)}
 	if hooks {
-		deps.OnDecision, deps.OnFirst, deps.OnDone = s.OnDecision, s.OnFirst, s.OnDone
+		rdeps.OnDecision, rdeps.OnFirst, rdeps.OnDone = s.OnDecision, s.OnFirst, s.OnDone
 	}
-	e, err := routing.NewEngine(p, opts, deps)
+	e, err := routing.NewEngine(p, opts, rdeps)
 	if err != nil {
 		t.Fatal(err)
 	}

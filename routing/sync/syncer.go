@@ -78,6 +78,9 @@ type Config struct {
 	MaxQueueItems int
 	// MaxPeers bounds the peers tracked.
 	MaxPeers int
+	// MaxKVQueueBytes bounds the KV-event payloads waiting to be
+	// republished (PublishKVEvents); past it messages are dropped.
+	MaxKVQueueBytes int
 }
 
 // TLSConfig is the client side of TLS: a CA to trust (else the system
@@ -110,6 +113,15 @@ type Deps struct {
 	Clock clock.Clock
 	// Rand picks the epoch; nil: crypto/rand.
 	Rand func() uint64
+	// OnKVEvents receives a worker's KV-event message republished by a
+	// peer (see PublishKVEvents): the endpoint's key, the worker's
+	// sequence number and the msgpack payload (a copy: it may be
+	// retained). It is called on NATS's delivery goroutine and must not
+	// block (kvevents.Sub.Push does not). An error (wrap
+	// routing.ErrUnknownEndpoint for an endpoint without a subscriber
+	// here) is counted in kvbandit_sync_rejected_total. Nil: republished
+	// KV events are dropped (reason unsupported).
+	OnKVEvents func(endpoint string, seq uint64, payload []byte) error
 }
 
 func (c *Config) defaults() error {
@@ -163,6 +175,9 @@ func (c *Config) defaults() error {
 	if c.MaxPeers <= 0 {
 		c.MaxPeers = DefaultMaxPeers
 	}
+	if c.MaxKVQueueBytes <= 0 {
+		c.MaxKVQueueBytes = DefaultMaxKVQueueBytes
+	}
 	return nil
 }
 
@@ -197,6 +212,9 @@ type Syncer struct {
 	kick     chan struct{} // the queue went from empty to not empty
 	urgent   chan struct{} // the queue nears a message's size
 	resnap   chan struct{} // send a snapshot now (reconnected, a peer came back)
+	kvQueue  []wire.KVEvents
+	kvBytes  int
+	kvKick   chan struct{} // the KV-event queue went from empty to not empty
 	seq      uint64        // flusher only
 	buf      []byte        // flusher only
 
@@ -206,6 +224,7 @@ type Syncer struct {
 	dec    wire.Decoder
 	peers  map[string]*peer
 	closed bool
+	onKV   func(endpoint string, seq uint64, payload []byte) error
 
 	nc        *nats.Conn
 	sub       *nats.Subscription
@@ -235,8 +254,8 @@ func New(cfg Config, deps Deps) (*Syncer, error) {
 	s := &Syncer{
 		cfg: cfg, log: deps.Logger.With("component", "sync", "replica", cfg.Replica, "pool", cfg.Pool), clk: deps.Clock,
 		inflight: make(map[uint64]*wire.Start),
-		kick:     make(chan struct{}, 1), urgent: make(chan struct{}, 1), resnap: make(chan struct{}, 1),
-		peers: make(map[string]*peer), stop: make(chan struct{}),
+		kick:     make(chan struct{}, 1), urgent: make(chan struct{}, 1), resnap: make(chan struct{}, 1), kvKick: make(chan struct{}, 1),
+		peers: make(map[string]*peer), stop: make(chan struct{}), onKV: deps.OnKVEvents,
 	}
 	if deps.Rand != nil {
 		s.epoch = deps.Rand()
