@@ -7,7 +7,6 @@ package e2e
 // the GIE EPP built from the module proxy.
 
 import (
-	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -80,18 +79,7 @@ func startPicker(t *testing.T, name, addr, health string, env []string, bin stri
 			t.Logf("%s output:\n%s", name, p.out)
 		}
 	})
-	// Ready when a request gets a destination.
-	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
-	defer cancel()
-	if err := poll(ctx, func() (bool, string) {
-		r, err := extprocload.Run(ctx, extprocload.Config{Addr: addr, Rate: 20, Duration: 100 * time.Millisecond, Bodies: extprocload.ChatBodies(2, 4096, "test-model"), Timeout: 2 * time.Second})
-		if err != nil {
-			return false, err.Error()
-		}
-		return r.OK == r.Sent && r.Sent > 0, fmt.Sprint(r.Errors)
-	}); err != nil {
-		t.Fatalf("%s not answering: %v\n%s", name, err, p.out)
-	}
+	waitPicking(t, name, addr, p.out)
 	return p
 }
 

@@ -1,6 +1,8 @@
 package e2e
 
 import (
+	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -38,4 +40,22 @@ func TestOpenLoopLoad(t *testing.T) {
 	}
 	t.Logf("kvbandit (race build) at 200 req/s: p50 %v p99 %v, %.1f ms CPU per 1000 requests, peak RSS %d MiB",
 		res.Quantile(0.5), res.Quantile(0.99), float64((after.CPU-before.CPU).Milliseconds())*1000/float64(res.OK), after.PeakRSS>>20)
+}
+
+// waitPicking waits until the picker at addr answers a request with a
+// destination (the open-loop load's definition of an answer); out is its
+// output, shown on failure.
+func waitPicking(t *testing.T, name, addr string, out fmt.Stringer) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+	defer cancel()
+	if err := poll(ctx, func() (bool, string) {
+		r, err := extprocload.Run(ctx, extprocload.Config{Addr: addr, Rate: 20, Duration: 100 * time.Millisecond, Bodies: extprocload.ChatBodies(2, 4096, "test-model"), Timeout: 2 * time.Second})
+		if err != nil {
+			return false, err.Error()
+		}
+		return r.OK == r.Sent && r.Sent > 0, fmt.Sprint(r.Errors)
+	}); err != nil {
+		t.Fatalf("%s not answering: %v\n%s", name, err, out)
+	}
 }

@@ -7,7 +7,6 @@ package e2e
 // load), side by side in one run.
 
 import (
-	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -70,17 +69,7 @@ func startFastPicker(t *testing.T, endpoints []string, extra ...string) *fastPic
 			t.Logf("kvbandit output:\n%s", p.out)
 		}
 	})
-	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
-	defer cancel()
-	if err := poll(ctx, func() (bool, string) {
-		r, err := extprocload.Run(ctx, extprocload.Config{Addr: p.grpc, Rate: 20, Duration: 100 * time.Millisecond, Bodies: extprocload.ChatBodies(2, 4096, "test-model"), Timeout: 2 * time.Second})
-		if err != nil {
-			return false, err.Error()
-		}
-		return r.OK == r.Sent && r.Sent > 0, fmt.Sprint(r.Errors)
-	}); err != nil {
-		t.Fatalf("kvbandit not answering: %v\n%s", err, p.out)
-	}
+	waitPicking(t, "kvbandit", p.grpc, p.out)
 	return p
 }
 
