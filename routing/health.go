@@ -2,6 +2,7 @@ package routing
 
 import (
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -270,6 +271,11 @@ func (e *Engine) scrapeOK(st *EndpointState) {
 	}
 }
 
+// MaxRetainedAdapters bounds the adapters remembered per endpoint across
+// reports (each report is bounded by the scraper too): the most recently
+// reported are kept.
+const MaxRetainedAdapters = 4096
+
 // ReportAdapters publishes the LoRA adapters an endpoint's worker reports
 // (vllm:lora_requests_info: adapters with running or waiting requests).
 // Each adapter is remembered for Options.AdapterRetention after it was
@@ -302,6 +308,21 @@ func (e *Engine) ReportAdapters(ep EndpointKey, adapters []ModelName) bool {
 			continue
 		}
 		keep = append(keep, m)
+	}
+	if len(keep) > MaxRetainedAdapters {
+		// A worker reporting new names every scrape: keep the most
+		// recently reported ones (the latest report first, then by name
+		// for a stable choice), forget the rest.
+		slices.SortFunc(keep, func(x, y ModelName) int {
+			if c := a.seen[y].Compare(a.seen[x]); c != 0 {
+				return c
+			}
+			return strings.Compare(string(x), string(y))
+		})
+		for _, m := range keep[MaxRetainedAdapters:] {
+			delete(a.seen, m)
+		}
+		keep = keep[:MaxRetainedAdapters]
 	}
 	slices.Sort(keep)
 	if cur := a.names.Load(); cur != nil && slices.Equal(*cur, keep) {

@@ -3,6 +3,7 @@ package routing_test
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -424,5 +425,32 @@ func TestEjectionMetrics(t *testing.T) {
 		if got[k] != v {
 			t.Errorf("%s = %v, want %v", k, got[k], v)
 		}
+	}
+}
+
+// TestRetainedAdaptersBounded: a worker that reports new adapter names on
+// every scrape (each report within the scraper's bound) is remembered for
+// at most MaxRetainedAdapters names, the most recent ones: 30 reports of
+// 4,096 fresh names within the retention kept all 122,880 before.
+func TestRetainedAdaptersBounded(t *testing.T) {
+	e, clk := healthEngine(t, routing.Options{AdapterRetention: 10 * time.Minute}, ep(string(epA), "llama"), ep(string(epB), "llama"))
+	var last []routing.ModelName
+	for r := range 30 {
+		last = last[:0]
+		for i := range 4096 {
+			last = append(last, routing.ModelName(fmt.Sprintf("lora-%02d-%04d", r, i)))
+		}
+		e.ReportAdapters(epB, last)
+		clk.Step(time.Second)
+	}
+	got := e.Endpoints()[1].ScrapedAdapters()
+	if len(got) != routing.MaxRetainedAdapters {
+		t.Fatalf("%d adapters retained, want %d", len(got), routing.MaxRetainedAdapters)
+	}
+	if !slices.Equal(got, last) {
+		t.Errorf("retained adapters are not the latest report's (first %q)", got[0])
+	}
+	if got := picks(t, e, &routing.Request{Model: last[0]}, 2); got[epB] != 2 {
+		t.Errorf("the latest report's adapter went to %v", got)
 	}
 }
