@@ -427,7 +427,9 @@ func TestEtcdDegradedWhileDownThenRecovers(t *testing.T) {
 
 	srv.Kill()
 	killed := time.Now()
-	waitFor(t, 10*time.Second, "degraded", func() bool { err, _ := sink.degradedState(); return err != nil })
+	// Normally within probeInterval + probeTimeout (3 s); the deadline is
+	// generous because a loaded CI machine once took over 10 s.
+	waitFor(t, 30*time.Second, "degraded", func() bool { err, _ := sink.degradedState(); return err != nil })
 	t.Logf("degraded %v after SIGKILL", time.Since(killed).Round(time.Millisecond))
 	time.Sleep(500 * time.Millisecond)
 	if _, n := sink.last(); n != before {
