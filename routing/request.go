@@ -54,6 +54,9 @@ type Hints struct {
 	// LatencySensitivity is the FCFS head start in seconds when no
 	// priority is given.
 	LatencySensitivity float64
+	// TTFTObjective is the request's time-to-first-token objective
+	// (x-slo-ttft-ms, nvext, or its InferenceObjective); 0 means none.
+	TTFTObjective time.Duration
 }
 
 // Sheddable reports whether the request may be rejected under saturation.

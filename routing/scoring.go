@@ -80,3 +80,25 @@ func (c *Candidate) Memo() *atomic.Pointer[any] {
 	}
 	return &c.rank().memo
 }
+
+// Prediction is a policy's predicted time to first token on one candidate,
+// with its parts.
+type Prediction struct {
+	// TTFT is Wait + Prefill: the predicted time to first token.
+	TTFT time.Duration
+	// Wait is the predicted wait for the work already ahead of the request.
+	Wait time.Duration
+	// Prefill is the predicted prefill time of the tokens not cached there.
+	Prefill time.Duration
+	// Impact is the delay the request is predicted to add to the requests
+	// already on the candidate (summed over them).
+	Impact time.Duration
+}
+
+// Predictor is implemented by policies that predict each candidate's time
+// to first token. Predict has no side effects (no learning, no sampling
+// state kept) and returns one Prediction per candidate of s, in order;
+// predictions are posterior means, not Thompson draws.
+type Predictor interface {
+	Predict(s *Scoring) []Prediction
+}
