@@ -108,6 +108,9 @@ type Decision struct {
 	// Sticky is set when the policy kept the request on its session's
 	// previous endpoint.
 	Sticky bool
+	// Objective is the request's TTFT objective (Hints.TTFTObjective);
+	// 0 means none.
+	Objective time.Duration
 
 	// state is the policy's private per-decision state (Choice.State).
 	state any

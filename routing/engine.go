@@ -112,6 +112,19 @@ type Deps struct {
 	// decision's phases (measured with the monotonic clock, not Clock:
 	// this is routing overhead, not simulated time).
 	OnTimings func(Timings)
+	// Gate, if set, narrows the candidates of requests with a TTFT
+	// objective before the policy chooses (routing/slo).
+	Gate Gate
+}
+
+// Gate narrows the candidates of a request that has a TTFT objective.
+// Filter returns the indexes of s.Candidates the policy may choose from
+// (ascending, at least one), nil for all, or an error that rejects the
+// request (wrapping ErrOverloaded for a 429). It must not modify s and,
+// when commit is false, must have no side effects. It is called
+// concurrently and must not block.
+type Gate interface {
+	Filter(s *Scoring, p Policy, commit bool) ([]int, error)
 }
 
 // Timings is the routing overhead of one decision, by phase.
@@ -816,6 +829,13 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		tLook = time.Now()
 		tm.Lookup = tLook.Sub(t0) - tm.Hash
 	}
+	if e.deps.Gate != nil && req.Hints.TTFTObjective > 0 {
+		keep, gerr := e.deps.Gate.Filter(sc, e.policy, commit)
+		if gerr != nil {
+			return nil, gerr
+		}
+		sc.Candidates, spaceOf = narrow(sc.Candidates, spaceOf, keep)
+	}
 	ch, err := e.policy.Choose(sc, commit)
 	if timed {
 		tm.Score = time.Since(tLook)
@@ -836,6 +856,8 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		At:       sc.Now,
 		Sticky:   ch.Sticky,
 		state:    ch.State,
+
+		Objective: req.Hints.TTFTObjective,
 	}
 	if ch.Scores != nil {
 		d.Scores = make([]Score, len(sc.Candidates))
@@ -968,3 +990,20 @@ func (e *Engine) servedBy(d *Decision, o Outcome) (l *Live, key EndpointKey, kno
 // ServedUnknown counts outcomes whose served endpoint was neither the
 // chosen one nor in the endpoint set; no learning used them.
 func (e *Engine) ServedUnknown() int64 { return e.servedUnknown.Load() }
+
+// narrow keeps the candidates (and their key spaces) at the ascending
+// indexes keep; nil or invalid keep lists change nothing.
+func narrow(cs []Candidate, spaceOf []int8, keep []int) ([]Candidate, []int8) {
+	if len(keep) == 0 || len(keep) > len(cs) {
+		return cs, spaceOf
+	}
+	for j, i := range keep {
+		if i < j || i >= len(cs) || (j > 0 && i <= keep[j-1]) {
+			return cs, spaceOf
+		}
+	}
+	for j, i := range keep {
+		cs[j], spaceOf[j] = cs[i], spaceOf[i]
+	}
+	return cs[:len(keep)], spaceOf[:len(keep)]
+}
