@@ -510,11 +510,16 @@ func (e *Engine) Pick(ctx context.Context, req *Request) (*Decision, error) {
 	if req.Hints.HasPriority {
 		prio = req.Hints.Priority
 	}
+	var deadline time.Time
+	if obj := req.Hints.TTFTObjective; obj > 0 && !req.Arrival.IsZero() {
+		deadline = req.Arrival.Add(obj)
+	}
 	err := e.queue.Admit(ctx, admission.Item{
 		Priority:  prio,
 		HeadStart: req.Hints.HeadStart(),
 		Cost:      float64(req.TokenCount),
 		Arrival:   req.Arrival,
+		Deadline:  deadline,
 		OnAdmit:   func() { d, perr = e.decide(req, true) },
 	})
 	switch {
