@@ -56,6 +56,7 @@ type benchOptions struct {
 	replicas                                          int
 	sync                                              string
 	syncDelay, scrapeInterval                         time.Duration
+	objective                                         objectiveOptions
 }
 
 func (o *benchOptions) addFlags(fs *flag.FlagSet) {
@@ -79,6 +80,7 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.sync, "sync", "none", "what the replicas share: none, or nats (a model of serve --sync-nats: every decision's start, first token, end and outcome applied on the other replicas after --sync-delay)")
 	fs.DurationVar(&o.syncDelay, "sync-delay", sim.DefaultSyncDelay, "--sync nats: publish-to-apply latency, in virtual time")
 	fs.DurationVar(&o.scrapeInterval, "scrape-interval", 0, "how often the workers' load reaches the engines (serve scrapes every 1s); 0: after every change")
+	o.objective.addFlags(fs)
 	a := &o.agentic
 	fs.IntVar(&a.Sessions, "sessions", 800, "agentic: number of sessions")
 	fs.Float64Var(&a.SessionRate, "session-rate", 8, "agentic: session arrivals per second (Poisson)")
@@ -122,6 +124,9 @@ func (o *benchOptions) validate() ([]float64, error) {
 	}
 	if o.scrapeInterval < 0 || o.scrapeInterval > time.Hour {
 		return nil, fmt.Errorf("--scrape-interval %v: want 0 to 1h", o.scrapeInterval)
+	}
+	if _, _, err := o.objective.validate(); err != nil {
+		return nil, err
 	}
 	speeds := make([]float64, o.workers)
 	for i := range speeds {
@@ -167,6 +172,9 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	reqs, desc, err := o.load(stderr)
 	if err != nil {
 		return err
+	}
+	if err := o.objective.apply(reqs, o.seed); err != nil {
+		return fmt.Errorf("%w: %w", ErrUsage, err)
 	}
 	workers := make([]sim.WorkerConfig, o.workers)
 	for i := range workers {
@@ -372,6 +380,8 @@ type policySummary struct {
 	OfFinite        float64 `json:"hit_rate_of_finite_bound"`
 	Imbalance       float64 `json:"load_imbalance"`
 	DecisionsSec    float64 `json:"decisions_per_s"`
+	// Objective is the TTFT-objective attainment (--objective-ttft).
+	Objective *objectiveSummary `json:"objective,omitempty"`
 	// Affinity is the share of requests with a PrefixID hint served by
 	// their session's most used worker (0 when no request has one).
 	Affinity float64 `json:"session_affinity,omitempty"`
@@ -427,6 +437,7 @@ func summarize(r *sim.Result, reqs []sim.Request, b trace.Bounds) policySummary 
 		s.DecisionsSec = float64(r.Decisions) / r.DecisionTime.Seconds()
 	}
 	s.Affinity = affinity(r, reqs)
+	s.Objective = summarizeObjectives(r, reqs)
 	if r.Replicas > 1 {
 		s.EnteredPerReplica = r.Entered
 		s.MessagesPerDecision = r.MessagesPerDecision()
@@ -492,9 +503,10 @@ func (rep *benchReport) print(w io.Writer) {
 	fmt.Fprintf(w, "KV hit-rate bounds: infinite cache %.1f%%, finite cache (one LRU of %d tokens) %.1f%%\n\n",
 		100*rep.Bounds.Infinite, rep.Bounds.FiniteCapacityTokens, 100*rep.Bounds.Finite)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	hinted := false
+	hinted, objectives := false, false
 	for _, p := range rep.Policies {
 		hinted = hinted || p.Affinity > 0
+		objectives = objectives || p.Objective != nil
 	}
 	head := "policy\tTTFT p50\tp90\tp99\tE2E p50\tp99\tout tok/s\tKV hit\tof finite\timbalance\tdecisions/s\tfailed\t"
 	if hinted {
@@ -503,6 +515,9 @@ func (rep *benchReport) print(w io.Writer) {
 	synced := rep.Replicas > 1 && rep.Sync != "none"
 	if synced {
 		head += "msgs/decision\t"
+	}
+	if objectives {
+		head += objectiveColumns
 	}
 	fmt.Fprintln(tw, head)
 	for _, p := range rep.Policies {
@@ -514,6 +529,9 @@ func (rep *benchReport) print(w io.Writer) {
 		}
 		if synced {
 			line += fmt.Sprintf("%.2f\t", p.MessagesPerDecision)
+		}
+		if objectives {
+			line += p.Objective.cells()
 		}
 		fmt.Fprintln(tw, line)
 	}

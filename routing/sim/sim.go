@@ -15,6 +15,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy"
+	"github.com/kvbandit/kvbandit/routing/slo"
 )
 
 // Request is one request of a trace.
@@ -84,6 +85,10 @@ type Config struct {
 	// themselves (their in-flight decisions), which is what replicas
 	// share.
 	ScrapeInterval time.Duration
+	// SLO tunes the latency-objective rule (routing/slo) applied to
+	// requests whose Hints carry a TTFTObjective; the zero value takes
+	// its defaults.
+	SLO slo.Config
 }
 
 // ReqResult is what happened to one request (in the order of the input).
