@@ -110,7 +110,7 @@ type Predictor interface {
 // engine's decisions and, with replicas, its peers'); 0 for a candidate
 // made outside an engine.
 func (c *Candidate) InFlight() int64 {
-	if c.State == nil || len(c.State.ranks) == 0 {
+	if c.State == nil || c.State.Live == nil || len(c.State.ranks) == 0 || c.rank() == nil || c.rank().slot == nil {
 		return 0
 	}
 	return c.rank().slot.Requests()

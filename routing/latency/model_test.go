@@ -15,7 +15,7 @@ import (
 // features f waits on it at speed 1.
 type engine struct {
 	perToken, perStep, decodeBase, decodePerRun float64 // ms
-	budget                                        int
+	budget                                      int
 }
 
 func (e engine) decode(running float64) float64 { return e.decodeBase + e.decodePerRun*running }
