@@ -81,6 +81,12 @@ type Choice struct {
 	// Sticky is set when the request stayed on its session's previous
 	// endpoint (prefix affinity), for metrics and the decision log.
 	Sticky bool
+	// Predicted is each candidate's predicted TTFT (a [Predictor]'s
+	// means), filled when Scoring.WantPredicted is set; Prediction is the
+	// chosen candidate's, for a policy that predicts, when Predicted is
+	// not filled. Both are optional.
+	Predicted  []Prediction
+	Prediction Prediction
 }
 
 // Policy chooses among eligible candidates. Implementations are safe for
@@ -750,7 +756,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	for _, st := range eps {
 		n += len(st.ranks)
 	}
-	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: now, Candidates: make([]Candidate, 0, n), WantRanked: e.opts.Fallbacks > 0}
+	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: now, Candidates: make([]Candidate, 0, n), WantRanked: e.opts.Fallbacks > 0, WantPredicted: !commit}
 	sb := e.bufs.Get().(*scratch)
 	defer e.bufs.Put(sb)
 	timed := commit && e.deps.OnTimings != nil
@@ -864,10 +870,17 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 
 		Objective: req.Hints.TTFTObjective,
 	}
+	d.Predicted = ch.Prediction
+	if len(ch.Predicted) == len(sc.Candidates) {
+		d.Predicted = ch.Predicted[ch.Index]
+	}
 	if ch.Scores != nil {
 		d.Scores = make([]Score, len(sc.Candidates))
 		for i := range sc.Candidates {
 			d.Scores[i] = Score{Endpoint: sc.Candidates[i].Key(), DPRank: sc.Candidates[i].DPRank, Score: ch.Scores[i]}
+			if len(ch.Predicted) == len(sc.Candidates) {
+				d.Scores[i].SetPrediction(ch.Predicted[i])
+			}
 		}
 	}
 	if e.opts.Fallbacks > 0 {

@@ -98,7 +98,10 @@ type ReqResult struct {
 	Replica                                  int // the replica it entered through
 	Arrival, TTFT, E2E                       time.Duration
 	PromptTokens, CachedTokens, OutputTokens int
-	Err                                      string
+	// Predicted is the policy's predicted TTFT at the decision (0 when
+	// the policy does not predict).
+	Predicted time.Duration
+	Err       string
 }
 
 // QueueSample is every worker's waiting and running requests at At.
@@ -544,6 +547,7 @@ func (s *simulation) arrive(i int) {
 		return
 	}
 	s.res.Decisions++
+	rr.Predicted = d.Predicted.TTFT
 	wi, ok := s.byKey[d.Endpoint]
 	if !ok {
 		rr.Err = "route: unknown endpoint " + string(d.Endpoint)
