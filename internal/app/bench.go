@@ -28,6 +28,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/sim"
 	"github.com/kvbandit/kvbandit/routing/sim/trace"
+	"github.com/kvbandit/kvbandit/routing/slo"
 )
 
 // benchPolicies is the default --policy list: every baseline, then ours.
@@ -201,6 +202,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return sim.Config{
 			Workers: workers, Policy: name, Policies: policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger,
 			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrapeInterval,
+			SLO:      slo.Config{Headroom: o.objective.headroom},
 			Schedule: schedule,
 		}
 	}, reqs)

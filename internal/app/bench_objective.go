@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/sim"
+	"github.com/kvbandit/kvbandit/routing/slo"
 )
 
 // This file holds the bench's latency objectives: --objective-ttft,
@@ -23,16 +24,21 @@ type objectiveOptions struct {
 	ttft     time.Duration
 	share    float64
 	priority string // "" = none given
+	headroom float64
 }
 
 func (o *objectiveOptions) addFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.ttft, "objective-ttft", 0, "give requests this TTFT objective (as x-slo-ttft-ms; 0: none)")
 	fs.Float64Var(&o.share, "objective-share", 1, "with --objective-ttft: the share of requests (seeded choice) that carry it, in (0, 1]")
 	fs.StringVar(&o.priority, "objective-priority", "", "with --objective-ttft: the priority of those requests (integer; below 0 is sheddable; empty: none)")
+	fs.Float64Var(&o.headroom, "objective-headroom", 0, "the rule's headroom: a prediction must be under this share of the objective, in (0, 1] (0: routing/slo's default)")
 }
 
 // validate checks the flags and returns the priority (ok false: none).
 func (o *objectiveOptions) validate() (prio int, ok bool, err error) {
+	if err := (slo.Config{Headroom: o.headroom}).Validate(); err != nil {
+		return 0, false, fmt.Errorf("--objective-headroom: %w", err)
+	}
 	if o.ttft == 0 {
 		return 0, false, nil
 	}

@@ -89,6 +89,7 @@ func TestBenchObjectiveUsageErrors(t *testing.T) {
 		{[]string{"--objective-ttft", "1s", "--objective-share", "1.5"}},
 		{[]string{"--objective-ttft", "1s", "--objective-priority", "high"}},
 		{[]string{"--objective-ttft", "1s", "--objective-priority", "5000"}},
+		{[]string{"--objective-headroom", "1.5"}},
 	} {
 		_, _, err := run(t, append([]string{"bench", "--policy", "round_robin", "--trace", good}, c.args...)...)
 		if !errors.Is(err, ErrUsage) || !strings.Contains(err.Error(), "--objective") {
