@@ -202,7 +202,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return sim.Config{
 			Workers: workers, Policy: name, Policies: policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger,
 			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrapeInterval,
-			SLO:      slo.Config{Headroom: o.objective.headroom},
+			SLO:      slo.Config{Headroom: o.objective.headroom, Off: o.objective.off},
 			Schedule: schedule,
 		}
 	}, reqs)

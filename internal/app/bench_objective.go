@@ -25,12 +25,14 @@ type objectiveOptions struct {
 	share    float64
 	priority string // "" = none given
 	headroom float64
+	off      bool
 }
 
 func (o *objectiveOptions) addFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.ttft, "objective-ttft", 0, "give requests this TTFT objective (as x-slo-ttft-ms; 0: none)")
 	fs.Float64Var(&o.share, "objective-share", 1, "with --objective-ttft: the share of requests (seeded choice) that carry it, in (0, 1]")
 	fs.StringVar(&o.priority, "objective-priority", "", "with --objective-ttft: the priority of those requests (integer; below 0 is sheddable; empty: none)")
+	fs.BoolVar(&o.off, "objective-rule-off", false, "count objectives without acting on them (the baseline for the rule)")
 	fs.Float64Var(&o.headroom, "objective-headroom", 0, "the rule's headroom: a prediction must be under this share of the objective, in (0, 1] (0: routing/slo's default)")
 }
 

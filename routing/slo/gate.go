@@ -22,6 +22,9 @@ type Config struct {
 	// whose overlap is at least (1 − NearTie) × the largest, in [0, 1);
 	// 0 means DefaultNearTie, a negative value means exact ties only.
 	NearTie float64
+	// Off turns the rule off: objectives are only counted (met/missed),
+	// never acted on. For comparisons.
+	Off bool
 }
 
 // Defaults for [Config].
@@ -88,7 +91,7 @@ func New(cfg Config) (*Gate, error) {
 // meet its objective (counted as shed when commit is set).
 func (g *Gate) Filter(s *routing.Scoring, p routing.Policy, commit bool) ([]int, error) {
 	obj := s.Req.Hints.TTFTObjective
-	if obj <= 0 || len(s.Candidates) == 0 {
+	if g.cfg.Off || obj <= 0 || len(s.Candidates) == 0 {
 		return nil, nil
 	}
 	pr, ok := p.(routing.Predictor)

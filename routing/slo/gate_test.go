@@ -155,6 +155,13 @@ func TestFilterWithoutPredictorOrOnDryRun(t *testing.T) {
 	if _, _, shed := g.Counts(); shed != 0 {
 		t.Fatalf("a dry run counted %d shed", shed)
 	}
+	off, err := slo.New(slo.Config{Off: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if keep, err := off.Filter(s, &predictor{byIndex: ms(5, 5)}, true); keep != nil || err != nil {
+		t.Fatalf("rule off: keep %v err %v", keep, err)
+	}
 	// A predictor returning the wrong number of predictions is ignored.
 	if keep, err := g.Filter(s, &predictor{byIndex: ms(5)}, true); keep != nil || err != nil {
 		t.Fatalf("short predictions: keep %v err %v", keep, err)
