@@ -164,7 +164,7 @@ func DefaultConfig() Config {
 // held-out ones (see the README).
 const (
 	DefaultImpactWeight    = 0.0
-	DefaultRecomputeWeight = 0.0
+	DefaultRecomputeWeight = 8.0
 )
 
 // model returns the latency model's parameters.
