@@ -83,7 +83,7 @@ const (
 
 // hintHeaders are the request headers package hints reads, in the order
 // of processor.hintVals.
-var hintHeaders = [...]string{hints.HeaderPrefixID, hints.HeaderTotalRequests, hints.HeaderOSL, hints.HeaderIAT, hints.HeaderPriority}
+var hintHeaders = [...]string{hints.HeaderPrefixID, hints.HeaderTotalRequests, hints.HeaderOSL, hints.HeaderIAT, hints.HeaderPriority, hints.HeaderSLOTTFT, hints.HeaderLLMDSLOTTFT}
 
 // hintIndex returns the index of a hint header name in hintHeaders, or -1.
 func hintIndex(name string) int {
@@ -98,6 +98,10 @@ func hintIndex(name string) int {
 		return 3
 	case hints.HeaderPriority:
 		return 4
+	case hints.HeaderSLOTTFT:
+		return 5
+	case hints.HeaderLLMDSLOTTFT:
+		return 6
 	}
 	return -1
 }
@@ -548,7 +552,7 @@ func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) error {
 			// stream never holds a client's long header until its
 			// decision; the proxy does the same.
 			p.tenant = prefixstate.BoundID(headerValue(h))
-		case strings.HasPrefix(k, "x-prefix-") || k == hints.HeaderPriority:
+		case strings.HasPrefix(k, "x-prefix-") || k == hints.HeaderPriority || k == hints.HeaderSLOTTFT || k == hints.HeaderLLMDSLOTTFT:
 			i := hintIndex(k)
 			if i < 0 || p.hintSet&(1<<i) != 0 {
 				continue // not a hint, or a repeat: the first one counts

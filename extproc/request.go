@@ -13,7 +13,8 @@ import (
 
 // ParseRequest reads an OpenAI request body of the given kind into req:
 // model, stream flag, output limit, cache salt, and the routing hints
-// (header first, then nvext; see package hints). A chat or completion body
+// (header first, then nvext; see package hints) and the TTFT objective
+// (an invalid one is an error, see hints.Objective). A chat or completion body
 // that does not parse is an error (mapped by [Reject]); for any other path
 // the body is optional and one that does not parse is routed by load only
 // (parsed is nil). It is the request-building step shared by the ext_proc
@@ -37,6 +38,9 @@ func ParseRequest(kind openai.Kind, body []byte, header hints.Getter, req *routi
 		nv = parsed.NVExt
 	}
 	req.Hints, problems = hints.Parse(header, nv)
+	if req.Hints.TTFTObjective, err = hints.Objective(header, nv); err != nil {
+		return parsed, problems, err
+	}
 	return parsed, problems, nil
 }
 

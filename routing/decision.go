@@ -83,6 +83,18 @@ type Score struct {
 	Endpoint EndpointKey `json:"endpoint"`
 	DPRank   int         `json:"dp_rank,omitempty"`
 	Score    float64     `json:"score"`
+	// PredictedTTFTMs and its parts are the policy's prediction for the
+	// endpoint (policies that predict, Engine.Score only).
+	PredictedTTFTMs float64 `json:"predicted_ttft_ms,omitempty"`
+	WaitMs          float64 `json:"wait_ms,omitempty"`
+	PrefillMs       float64 `json:"prefill_ms,omitempty"`
+	ImpactMs        float64 `json:"impact_ms,omitempty"`
+}
+
+// SetPrediction fills the score's predicted times from p.
+func (s *Score) SetPrediction(p Prediction) {
+	msOf := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+	s.PredictedTTFTMs, s.WaitMs, s.PrefillMs, s.ImpactMs = msOf(p.TTFT), msOf(p.Wait), msOf(p.Prefill), msOf(p.Impact)
 }
 
 // Decision is the engine's answer for one request. Its exported fields are
@@ -108,6 +120,12 @@ type Decision struct {
 	// Sticky is set when the policy kept the request on its session's
 	// previous endpoint.
 	Sticky bool
+	// Objective is the request's TTFT objective (Hints.TTFTObjective);
+	// 0 means none.
+	Objective time.Duration
+	// Predicted is the policy's predicted TTFT on the chosen candidate,
+	// with its parts (zero when the policy does not predict).
+	Predicted Prediction
 
 	// state is the policy's private per-decision state (Choice.State).
 	state any

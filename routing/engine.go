@@ -81,6 +81,12 @@ type Choice struct {
 	// Sticky is set when the request stayed on its session's previous
 	// endpoint (prefix affinity), for metrics and the decision log.
 	Sticky bool
+	// Predicted is each candidate's predicted TTFT (a [Predictor]'s
+	// means), filled when Scoring.WantPredicted is set; Prediction is the
+	// chosen candidate's, for a policy that predicts, when Predicted is
+	// not filled. Both are optional.
+	Predicted  []Prediction
+	Prediction Prediction
 }
 
 // Policy chooses among eligible candidates. Implementations are safe for
@@ -112,6 +118,19 @@ type Deps struct {
 	// decision's phases (measured with the monotonic clock, not Clock:
 	// this is routing overhead, not simulated time).
 	OnTimings func(Timings)
+	// Gate, if set, narrows the candidates of requests with a TTFT
+	// objective before the policy chooses (routing/slo).
+	Gate Gate
+}
+
+// Gate narrows the candidates of a request that has a TTFT objective.
+// Filter returns the indexes of s.Candidates the policy may choose from
+// (ascending, at least one), nil for all, or an error that rejects the
+// request (wrapping ErrOverloaded for a 429). It must not modify s and,
+// when commit is false, must have no side effects. It is called
+// concurrently and must not block.
+type Gate interface {
+	Filter(s *Scoring, p Policy, commit bool) ([]int, error)
 }
 
 // Timings is the routing overhead of one decision, by phase.
@@ -497,11 +516,16 @@ func (e *Engine) Pick(ctx context.Context, req *Request) (*Decision, error) {
 	if req.Hints.HasPriority {
 		prio = req.Hints.Priority
 	}
+	var deadline time.Time
+	if obj := req.Hints.TTFTObjective; obj > 0 && !req.Arrival.IsZero() {
+		deadline = req.Arrival.Add(obj)
+	}
 	err := e.queue.Admit(ctx, admission.Item{
 		Priority:  prio,
 		HeadStart: req.Hints.HeadStart(),
 		Cost:      float64(req.TokenCount),
 		Arrival:   req.Arrival,
+		Deadline:  deadline,
 		OnAdmit:   func() { d, perr = e.decide(req, true) },
 	})
 	switch {
@@ -732,7 +756,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	for _, st := range eps {
 		n += len(st.ranks)
 	}
-	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: now, Candidates: make([]Candidate, 0, n), WantRanked: e.opts.Fallbacks > 0}
+	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: now, Candidates: make([]Candidate, 0, n), WantRanked: e.opts.Fallbacks > 0, WantPredicted: !commit}
 	sb := e.bufs.Get().(*scratch)
 	defer e.bufs.Put(sb)
 	timed := commit && e.deps.OnTimings != nil
@@ -816,6 +840,13 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		tLook = time.Now()
 		tm.Lookup = tLook.Sub(t0) - tm.Hash
 	}
+	if e.deps.Gate != nil && req.Hints.TTFTObjective > 0 {
+		keep, gerr := e.deps.Gate.Filter(sc, e.policy, commit)
+		if gerr != nil {
+			return nil, gerr
+		}
+		sc.Candidates, spaceOf = narrow(sc.Candidates, spaceOf, keep)
+	}
 	ch, err := e.policy.Choose(sc, commit)
 	if timed {
 		tm.Score = time.Since(tLook)
@@ -836,11 +867,20 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		At:       sc.Now,
 		Sticky:   ch.Sticky,
 		state:    ch.State,
+
+		Objective: req.Hints.TTFTObjective,
+	}
+	d.Predicted = ch.Prediction
+	if len(ch.Predicted) == len(sc.Candidates) {
+		d.Predicted = ch.Predicted[ch.Index]
 	}
 	if ch.Scores != nil {
 		d.Scores = make([]Score, len(sc.Candidates))
 		for i := range sc.Candidates {
 			d.Scores[i] = Score{Endpoint: sc.Candidates[i].Key(), DPRank: sc.Candidates[i].DPRank, Score: ch.Scores[i]}
+			if len(ch.Predicted) == len(sc.Candidates) {
+				d.Scores[i].SetPrediction(ch.Predicted[i])
+			}
 		}
 	}
 	if e.opts.Fallbacks > 0 {
@@ -968,3 +1008,20 @@ func (e *Engine) servedBy(d *Decision, o Outcome) (l *Live, key EndpointKey, kno
 // ServedUnknown counts outcomes whose served endpoint was neither the
 // chosen one nor in the endpoint set; no learning used them.
 func (e *Engine) ServedUnknown() int64 { return e.servedUnknown.Load() }
+
+// narrow keeps the candidates (and their key spaces) at the ascending
+// indexes keep; nil or invalid keep lists change nothing.
+func narrow(cs []Candidate, spaceOf []int8, keep []int) ([]Candidate, []int8) {
+	if len(keep) == 0 || len(keep) > len(cs) {
+		return cs, spaceOf
+	}
+	for j, i := range keep {
+		if i < j || i >= len(cs) || (j > 0 && i <= keep[j-1]) {
+			return cs, spaceOf
+		}
+	}
+	for j, i := range keep {
+		cs[j], spaceOf[j] = cs[i], spaceOf[i]
+	}
+	return cs[:len(keep)], spaceOf[:len(keep)]
+}

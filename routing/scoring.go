@@ -69,6 +69,9 @@ type Scoring struct {
 	// WantRanked is set when the engine needs Choice.Ranked (fallbacks);
 	// policies may skip ranking otherwise.
 	WantRanked bool
+	// WantPredicted is set when the engine needs Choice.Predicted (Score:
+	// /v1/route and Engine.Score show every candidate's prediction).
+	WantPredicted bool
 }
 
 // Memo returns the candidate's policy memo: a per-(endpoint, rank) slot,
@@ -101,4 +104,14 @@ type Prediction struct {
 // predictions are posterior means, not Thompson draws.
 type Predictor interface {
 	Predict(s *Scoring) []Prediction
+}
+
+// InFlight returns the requests in flight on the candidate's rank (this
+// engine's decisions and, with replicas, its peers'); 0 for a candidate
+// made outside an engine.
+func (c *Candidate) InFlight() int64 {
+	if c.State == nil || c.State.Live == nil || len(c.State.ranks) == 0 || c.rank() == nil || c.rank().slot == nil {
+		return 0
+	}
+	return c.rank().slot.Requests()
 }

@@ -55,6 +55,9 @@ type AgentHints struct {
 	Priority string
 	// LatencySensitivity is agent_hints.latency_sensitivity (seconds).
 	LatencySensitivity string
+	// TTFTSLOMillis is agent_hints.ttft_slo_ms, the TTFT objective in
+	// milliseconds.
+	TTFTSLOMillis string
 }
 
 // NVExt is Dynamo's "nvext" request extension, as far as routing uses it.
@@ -563,6 +566,8 @@ func (p *parser) agentHints(h *AgentHints, v gjson.Result) {
 			h.Priority = raw
 		case "latency_sensitivity":
 			h.LatencySensitivity = raw
+		case "ttft_slo_ms":
+			h.TTFTSLOMillis = raw
 		}
 		return true
 	})

@@ -28,6 +28,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/sim"
 	"github.com/kvbandit/kvbandit/routing/sim/trace"
+	"github.com/kvbandit/kvbandit/routing/slo"
 )
 
 // benchPolicies is the default --policy list: every baseline, then ours.
@@ -56,6 +57,8 @@ type benchOptions struct {
 	replicas                                          int
 	sync                                              string
 	syncDelay, scrapeInterval                         time.Duration
+	objective                                         objectiveOptions
+	speedSchedule                                     string
 }
 
 func (o *benchOptions) addFlags(fs *flag.FlagSet) {
@@ -65,6 +68,7 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.workers, "workers", 8, "simulated workers")
 	fs.StringVar(&o.policies, "policy", benchPolicies, "comma-separated policies to compare (unknown names are skipped with a warning)")
 	fs.StringVar(&o.speeds, "speed-factors", "", "comma-separated speed factor per worker, > 0 (default all 1; 0.5 = half speed)")
+	fs.StringVar(&o.speedSchedule, "speed-schedule", "", `speed changes "T:W:S,...": at virtual time T (duration or seconds) worker W (0-based) runs at speed S (0 stops it); e.g. "300s:3:0.5,600s:3:1"`)
 	fs.Float64Var(&o.rateScale, "rate-scale", 0, fmt.Sprintf("divide arrival times by this (0: %d for mooncake, 1 for azure)", defaultMooncakeRateScale))
 	fs.IntVar(&o.routerBlock, "router-block-size", 0, "the router's block size in tokens (0: the workers' block size)")
 	fs.IntVar(&o.kvBlocks, "kv-blocks", defaultKVBlocks, "KV cache blocks per worker")
@@ -79,6 +83,7 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.sync, "sync", "none", "what the replicas share: none, or nats (a model of serve --sync-nats: every decision's start, first token, end and outcome applied on the other replicas after --sync-delay)")
 	fs.DurationVar(&o.syncDelay, "sync-delay", sim.DefaultSyncDelay, "--sync nats: publish-to-apply latency, in virtual time")
 	fs.DurationVar(&o.scrapeInterval, "scrape-interval", 0, "how often the workers' load reaches the engines (serve scrapes every 1s); 0: after every change")
+	o.objective.addFlags(fs)
 	a := &o.agentic
 	fs.IntVar(&a.Sessions, "sessions", 800, "agentic: number of sessions")
 	fs.Float64Var(&a.SessionRate, "session-rate", 8, "agentic: session arrivals per second (Poisson)")
@@ -123,6 +128,9 @@ func (o *benchOptions) validate() ([]float64, error) {
 	if o.scrapeInterval < 0 || o.scrapeInterval > time.Hour {
 		return nil, fmt.Errorf("--scrape-interval %v: want 0 to 1h", o.scrapeInterval)
 	}
+	if _, _, err := o.objective.validate(); err != nil {
+		return nil, err
+	}
 	speeds := make([]float64, o.workers)
 	for i := range speeds {
 		speeds[i] = 1
@@ -160,6 +168,10 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrUsage, err)
 	}
+	schedule, err := parseSpeedSchedule(o.speedSchedule, o.workers)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
 	names := benchPolicyNames(o.policies, stderr)
 	if len(names) == 0 {
 		return fmt.Errorf("%w: --policy %q names no known policy (known: %s)", ErrUsage, o.policies, strings.Join(policy.Builtin().Names(), ", "))
@@ -167,6 +179,9 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	reqs, desc, err := o.load(stderr)
 	if err != nil {
 		return err
+	}
+	if err := o.objective.apply(reqs, o.seed); err != nil {
+		return fmt.Errorf("%w: %w", ErrUsage, err)
 	}
 	workers := make([]sim.WorkerConfig, o.workers)
 	for i := range workers {
@@ -187,6 +202,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return sim.Config{
 			Workers: workers, Policy: name, Policies: policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger,
 			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrapeInterval,
+			SLO:      slo.Config{Headroom: o.objective.headroom, Off: o.objective.off},
+			Schedule: schedule,
 		}
 	}, reqs)
 	if err != nil {
@@ -195,7 +212,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	rep := benchReport{
 		Trace: desc, Format: o.format, Requests: len(reqs), Workers: o.workers, SpeedFactors: speeds,
 		RateScale: o.effectiveRateScale(), KVBlocks: o.kvBlocks, BlockSize: o.blockSize, RouterBlockSize: o.routerBlock,
-		KVEvents: o.kvEvents, Seed: o.seed, ScrapeIntervalSec: o.scrapeInterval.Seconds(),
+		KVEvents: o.kvEvents, Seed: o.seed, ScrapeIntervalSec: o.scrapeInterval.Seconds(), SpeedSchedule: o.speedSchedule,
 		Bounds: benchBounds{Infinite: bounds.Infinite, Finite: bounds.Finite, FiniteCapacityTokens: int64(bounds.CapacityBlocks) * int64(bounds.BlockSize), PromptTokens: bounds.PromptTokens},
 	}
 	if o.replicas > 1 {
@@ -340,6 +357,7 @@ type benchReport struct {
 	Seed            int64     `json:"seed"`
 	// ScrapeIntervalSec is --scrape-interval (0: load after every change).
 	ScrapeIntervalSec float64 `json:"scrape_interval_s,omitempty"`
+	SpeedSchedule     string  `json:"speed_schedule,omitempty"`
 	// Replicas, Sync and SyncDelaySec are --replicas, --sync and
 	// --sync-delay, with several replicas only (one replica is the run
 	// without replicas).
@@ -372,9 +390,15 @@ type policySummary struct {
 	OfFinite        float64 `json:"hit_rate_of_finite_bound"`
 	Imbalance       float64 `json:"load_imbalance"`
 	DecisionsSec    float64 `json:"decisions_per_s"`
+	// Objective is the TTFT-objective attainment (--objective-ttft).
+	Objective *objectiveSummary `json:"objective,omitempty"`
 	// Affinity is the share of requests with a PrefixID hint served by
 	// their session's most used worker (0 when no request has one).
 	Affinity float64 `json:"session_affinity,omitempty"`
+	// PredErr is the p50 absolute error of the predicted TTFT as a share
+	// of the actual TTFT p50 (policies that predict: Predicts).
+	PredErr  float64 `json:"ttft_prediction_error,omitempty"`
+	Predicts bool    `json:"predicts,omitempty"`
 	// With several replicas: the requests that entered through each,
 	// and, with sync, the sync items and messages (batched over the sync
 	// delay) per decision and the items a peer refused.
@@ -427,6 +451,8 @@ func summarize(r *sim.Result, reqs []sim.Request, b trace.Bounds) policySummary 
 		s.DecisionsSec = float64(r.Decisions) / r.DecisionTime.Seconds()
 	}
 	s.Affinity = affinity(r, reqs)
+	s.Objective = summarizeObjectives(r, reqs)
+	s.PredErr, s.Predicts = predErr(r)
 	if r.Replicas > 1 {
 		s.EnteredPerReplica = r.Entered
 		s.MessagesPerDecision = r.MessagesPerDecision()
@@ -486,15 +512,20 @@ func (rep *benchReport) print(w io.Writer) {
 		}
 		fmt.Fprintln(w)
 	}
+	if rep.SpeedSchedule != "" {
+		fmt.Fprintf(w, "speed schedule %s\n", rep.SpeedSchedule)
+	}
 	if rep.ScrapeIntervalSec > 0 {
 		fmt.Fprintf(w, "load scraped every %v\n", time.Duration(rep.ScrapeIntervalSec*float64(time.Second)))
 	}
 	fmt.Fprintf(w, "KV hit-rate bounds: infinite cache %.1f%%, finite cache (one LRU of %d tokens) %.1f%%\n\n",
 		100*rep.Bounds.Infinite, rep.Bounds.FiniteCapacityTokens, 100*rep.Bounds.Finite)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	hinted := false
+	hinted, objectives, predicts := false, false, false
 	for _, p := range rep.Policies {
 		hinted = hinted || p.Affinity > 0
+		objectives = objectives || p.Objective != nil
+		predicts = predicts || p.Predicts
 	}
 	head := "policy\tTTFT p50\tp90\tp99\tE2E p50\tp99\tout tok/s\tKV hit\tof finite\timbalance\tdecisions/s\tfailed\t"
 	if hinted {
@@ -503,6 +534,12 @@ func (rep *benchReport) print(w io.Writer) {
 	synced := rep.Replicas > 1 && rep.Sync != "none"
 	if synced {
 		head += "msgs/decision\t"
+	}
+	if objectives {
+		head += objectiveColumns
+	}
+	if predicts {
+		head += "pred err\t"
 	}
 	fmt.Fprintln(tw, head)
 	for _, p := range rep.Policies {
@@ -514,6 +551,12 @@ func (rep *benchReport) print(w io.Writer) {
 		}
 		if synced {
 			line += fmt.Sprintf("%.2f\t", p.MessagesPerDecision)
+		}
+		if objectives {
+			line += p.Objective.cells()
+		}
+		if predicts {
+			line += fmtPredErr(p)
 		}
 		fmt.Fprintln(tw, line)
 	}

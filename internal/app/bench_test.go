@@ -134,6 +134,11 @@ func TestBenchUsageErrors(t *testing.T) {
 		{[]string{"--trace", good, "--replicas", "2", "--sync", "etcd"}, true, "--sync"},
 		{[]string{"--trace", good, "--replicas", "2", "--sync-delay", "-1ms"}, true, "--sync-delay"},
 		{[]string{"--trace", good, "--scrape-interval", "-1s"}, true, "--scrape-interval"},
+		{[]string{"--trace", good, "--workers", "2", "--speed-schedule", "10s:2:0.5"}, true, "worker \"2\": want 0 to 1"},
+		{[]string{"--trace", good, "--speed-schedule", "10s:1"}, true, "want T:W:S"},
+		{[]string{"--trace", good, "--speed-schedule", "10s:1:-1"}, true, "must be a number >= 0"},
+		{[]string{"--trace", good, "--speed-schedule", "20s:1:0.5,10s:1:1"}, true, "in order"},
+		{[]string{"--trace", good, "--speed-schedule", "soon:1:0.5"}, true, "not a duration"},
 	} {
 		_, errOut, err := run(t, append([]string{"bench", "--policy", "round_robin"}, c.args...)...)
 		if err == nil || errors.Is(err, ErrUsage) != c.usage || !strings.Contains(err.Error(), c.want) {

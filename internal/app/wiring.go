@@ -19,6 +19,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
 	"github.com/kvbandit/kvbandit/routing/policy/thompson"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
+	"github.com/kvbandit/kvbandit/routing/slo"
 	rsync "github.com/kvbandit/kvbandit/routing/sync"
 )
 
@@ -147,8 +148,13 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 	opts := cfg.engineOptions(o.Fallbacks)
 	opts.Admission.OnWait = func(d time.Duration) { rm.queueWait.Observe(d.Seconds()) }
 	bs := float64(cfg.Router.BlockSize)
+	gate, err := slo.New(slo.Config{})
+	if err != nil {
+		parts.close()
+		return nil, err
+	}
 	engine, err := routing.NewEngine(pol, opts, routing.Deps{
-		Logger: log, Rand: rnd, Clock: clk,
+		Logger: log, Rand: rnd, Clock: clk, Gate: gate,
 		OnDecision: func(req *routing.Request, d *routing.Decision) {
 			rm.overlap.Observe(float64(d.Overlap))
 			if req.Hints.PrefixID != "" {
@@ -181,6 +187,7 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 				rm.cachedPred.Add(float64(d.Overlap) * bs)
 				rm.cachedReported.Add(float64(out.CachedTokens))
 			}
+			gate.Observe(d, out)
 			if sy != nil {
 				sy.OnDone(d, out)
 			}
@@ -202,7 +209,7 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 		}
 		log.Info("active-active replicas: sharing state over NATS", "replica", sy.Status().Replica, "pool", sy.Status().Pool, "subject", sy.Subject())
 	}
-	reg.MustRegister(routing.NewCollector(engine))
+	reg.MustRegister(routing.NewCollector(engine), gate)
 	if kb, ok := pol.(*kvbandit.Policy); ok {
 		reg.MustRegister(posteriorCollector{kb})
 	}

@@ -42,8 +42,9 @@
 //     workers; computing Cost is the caller's choice.
 //
 // Dynamo breaks ties arbitrarily (a binary heap). Here ties are broken by
-// effective arrival (wspt only) and then by enqueue order, so the order is
-// deterministic. Dynamo's strict_priority tiers and per-class queues are not
+// effective arrival (wspt only), then by TTFT-objective deadline
+// ([Item.Deadline], earliest first, requests without one last) and then by
+// enqueue order, so the order is deterministic. Dynamo's strict_priority tiers and per-class queues are not
 // implemented. Keys are computed once at enqueue, as in Dynamo; wspt can
 // therefore starve long prompts under sustained load, which MaxWait bounds.
 //

@@ -65,6 +65,12 @@ type Item struct {
 	// Arrival is when the request reached kvbandit; the zero value means
 	// the queue clock's Now at Admit.
 	Arrival time.Time
+	// Deadline is when the request's TTFT objective runs out (arrival +
+	// objective); the zero value means no objective. It breaks ties of
+	// the policy's key: the earlier deadline first, then requests without
+	// one. Priority (the head start) stays the ordering key, so an
+	// objective never lets a request overtake a more urgent one.
+	Deadline time.Time
 	// OnAdmit, when set, runs exactly once if and only if Admit is about
 	// to return nil, at the moment of admission and before the queue tests
 	// saturation for anyone else. Book the request's load here (Dynamo
@@ -273,6 +279,7 @@ func (q *Queue) enqueueLocked(it *Item) *waiter {
 	q.seq++
 	w := &waiter{
 		effective: arrival.Add(-head),
+		deadline:  it.Deadline,
 		seq:       q.seq,
 		onAdmit:   it.OnAdmit,
 		queued:    now,
@@ -313,6 +320,7 @@ func (q *Queue) expire(w *waiter) {
 type waiter struct {
 	effective time.Time // arrival − head start
 	wsptKey   float64   // (1 + head start s) / max(1, cost); wspt only
+	deadline  time.Time // zero: no objective
 	seq       uint64    // enqueue order, the final tie-break
 	onAdmit   func()
 	queued    time.Time
@@ -338,6 +346,12 @@ func (h *waitHeap) Less(i, j int) bool {
 	}
 	if !a.effective.Equal(b.effective) {
 		return a.effective.Before(b.effective)
+	}
+	if !a.deadline.Equal(b.deadline) {
+		if a.deadline.IsZero() || b.deadline.IsZero() {
+			return b.deadline.IsZero()
+		}
+		return a.deadline.Before(b.deadline)
 	}
 	return a.seq < b.seq
 }

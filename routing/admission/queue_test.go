@@ -239,6 +239,7 @@ func TestOrder(t *testing.T) {
 		arrival time.Duration // after t0
 		head    time.Duration
 		cost    float64
+		slo     time.Duration // deadline = arrival + slo; 0: none
 	}
 	tests := []struct {
 		name    string
@@ -278,6 +279,23 @@ func TestOrder(t *testing.T) {
 			policy:  admission.PolicyFCFS,
 			entries: []entry{{name: "x", arrival: time.Second}, {name: "y", arrival: time.Second}, {name: "z", head: 0, arrival: time.Second}},
 			want:    []string{"x", "y", "z"},
+		},
+		{
+			name:   "fcfs ties broken by objective deadline, none last",
+			policy: admission.PolicyFCFS,
+			entries: []entry{
+				{name: "none", arrival: time.Second}, {name: "late", arrival: time.Second, slo: time.Second},
+				{name: "soon", arrival: time.Second, slo: 100 * time.Millisecond}, {name: "early", slo: 10 * time.Second},
+			},
+			want: []string{"early", "soon", "late", "none"},
+		},
+		{
+			name:   "fcfs deadline never beats a head start",
+			policy: admission.PolicyFCFS,
+			entries: []entry{
+				{name: "slo", slo: time.Millisecond}, {name: "prio", arrival: time.Second, head: 2 * time.Second},
+			},
+			want: []string{"prio", "slo"},
 		},
 		{
 			name:    "fcfs ignores cost",
@@ -320,9 +338,11 @@ func TestOrder(t *testing.T) {
 			q := newQueue(t, admission.Config{Policy: tt.policy}, clock.NewVirtual(t0), b)
 			var results []<-chan error
 			for i, e := range tt.entries {
-				results = append(results, admitAsync(t.Context(), q, b.item(e.name, admission.Item{
-					Arrival: t0.Add(e.arrival), HeadStart: e.head, Cost: e.cost,
-				})))
+				it := admission.Item{Arrival: t0.Add(e.arrival), HeadStart: e.head, Cost: e.cost}
+				if e.slo > 0 {
+					it.Deadline = it.Arrival.Add(e.slo)
+				}
+				results = append(results, admitAsync(t.Context(), q, b.item(e.name, it)))
 				waitDepth(t, q, i+1) // enqueue order is deterministic
 			}
 			b.give(len(tt.entries))

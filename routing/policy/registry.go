@@ -125,13 +125,22 @@ func Builtin() *Registry {
 	must(r.Register(random.Name, func(d Deps) (routing.Policy, error) { return random.New(d.Rand), nil }))
 	must(r.Register(kv.Name, func(d Deps) (routing.Policy, error) { return kv.New(d.Config.KV) }))
 	must(r.Register(weighted.Name, func(d Deps) (routing.Policy, error) { return weighted.New(d.Config.Weighted) }))
-	must(r.Register(kvbandit.Name, func(d Deps) (routing.Policy, error) {
+	newKVBandit := func(d Deps, cost string) (routing.Policy, error) {
 		var px kvbandit.Prefixes
 		if d.Prefixes != nil {
 			px = kvbandit.FromStore(d.Prefixes, d.Clock)
 		}
-		return kvbandit.New(d.Config.KVBandit, px)
-	}))
+		cfg := d.Config.KVBandit
+		if cost != "" {
+			cfg.Cost = cost
+		}
+		return kvbandit.New(cfg, px)
+	}
+	// kvbandit's cost comes from its config (ttft by default);
+	// kvbandit_blocks is always the previous, block-counting formulation,
+	// so that bench can compare the two side by side.
+	must(r.Register(kvbandit.Name, func(d Deps) (routing.Policy, error) { return newKVBandit(d, "") }))
+	must(r.Register(kvbandit.BlocksName, func(d Deps) (routing.Policy, error) { return newKVBandit(d, kvbandit.CostBlocks) }))
 	must(r.Register(thompson.Name, func(d Deps) (routing.Policy, error) {
 		td := thompson.Deps{Clock: d.Clock, Rand: d.Rand, Prefix: d.Prefixes, Logger: d.Logger}
 		if d.OnReward != nil {

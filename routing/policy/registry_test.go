@@ -9,7 +9,7 @@ import (
 
 func TestRegistry(t *testing.T) {
 	r := Builtin()
-	for _, n := range []string{"round_robin", "least_loaded", "random", "weighted"} {
+	for _, n := range []string{"round_robin", "least_loaded", "random", "weighted", "kvbandit", "kvbandit_blocks"} {
 		p, err := r.New(n, Deps{})
 		if err != nil {
 			t.Fatal(err)
@@ -17,6 +17,12 @@ func TestRegistry(t *testing.T) {
 		if p.Name() != n {
 			t.Fatalf("policy %q reports name %q", n, p.Name())
 		}
+	}
+	// kvbandit_blocks is the block cost whatever the config says.
+	cfg := DefaultConfig()
+	d := Deps{Config: &cfg}
+	if p, err := r.New("kvbandit_blocks", d); err != nil || p.Name() != "kvbandit_blocks" {
+		t.Fatalf("kvbandit_blocks: %v %v", p, err)
 	}
 	if err := r.Register("random", func(Deps) (routing.Policy, error) { return nil, nil }); err == nil {
 		t.Fatal("duplicate registration accepted")

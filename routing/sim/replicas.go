@@ -8,6 +8,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
+	"github.com/kvbandit/kvbandit/routing/slo"
 )
 
 // This file holds the replicas of a run: R independent routing engines
@@ -138,7 +139,12 @@ func (s *simulation) newReplica(cfg *Config, i, blockSize int) (*replica, error)
 	if c, ok := pol.(interface{ Close() error }); ok {
 		r.close = append(r.close, func() { _ = c.Close() })
 	}
-	deps := routing.Deps{Logger: s.log, Clock: s.vc, Rand: rnd}
+	gate, err := slo.New(cfg.SLO)
+	if err != nil {
+		r.shut()
+		return nil, fmt.Errorf("sim: %w", err)
+	}
+	deps := routing.Deps{Logger: s.log, Clock: s.vc, Rand: rnd, Gate: gate}
 	if cfg.Sync == SyncNATS && max(cfg.Replicas, 1) > 1 {
 		r.remote = make(map[uint64][]*routing.RemoteDecision)
 		deps.OnDecision = func(_ *routing.Request, d *routing.Decision) { s.shareStart(r, d) }

@@ -15,6 +15,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy"
+	"github.com/kvbandit/kvbandit/routing/slo"
 )
 
 // Request is one request of a trace.
@@ -84,6 +85,10 @@ type Config struct {
 	// themselves (their in-flight decisions), which is what replicas
 	// share.
 	ScrapeInterval time.Duration
+	// SLO tunes the latency-objective rule (routing/slo) applied to
+	// requests whose Hints carry a TTFTObjective; the zero value takes
+	// its defaults.
+	SLO slo.Config
 }
 
 // ReqResult is what happened to one request (in the order of the input).
@@ -93,7 +98,10 @@ type ReqResult struct {
 	Replica                                  int // the replica it entered through
 	Arrival, TTFT, E2E                       time.Duration
 	PromptTokens, CachedTokens, OutputTokens int
-	Err                                      string
+	// Predicted is the policy's predicted TTFT at the decision (0 when
+	// the policy does not predict).
+	Predicted time.Duration
+	Err       string
 }
 
 // QueueSample is every worker's waiting and running requests at At.
@@ -539,6 +547,7 @@ func (s *simulation) arrive(i int) {
 		return
 	}
 	s.res.Decisions++
+	rr.Predicted = d.Predicted.TTFT
 	wi, ok := s.byKey[d.Endpoint]
 	if !ok {
 		rr.Err = "route: unknown endpoint " + string(d.Endpoint)

@@ -1,38 +1,45 @@
-// Package kvbandit implements the kvbandit policy: Dynamo's KV cost model as
-// the backbone, refined by Thompson sampling on what a cost model cannot
-// know, and by hint-driven prefix affinity.
+// Package kvbandit implements the kvbandit policy: it routes each request
+// where its predicted time to first token is lowest, from an online-learned
+// latency model (routing/latency), with Thompson sampling on each endpoint's
+// learned speed and hint-driven prefix affinity.
 //
-// For candidate w the policy computes
+// For candidate w the default cost (cost: ttft) is, in milliseconds,
+//
+//	cost_w = ŝ_w · T_w + ι · Impact_w + ρ · R_w + β · O_w − A_w
+//
+// T_w is the model's TTFT at the fleet's pooled speed: the prefill work
+// already ahead on w plus the request's uncached tokens, in steps of the
+// engine's batch budget, the decode step in progress and the requests
+// blocked on full KV memory (see routing/latency). ŝ_w is w's speed factor
+// relative to the pooled fit, a log-normal posterior: sampled per request
+// (Thompson sampling) for new sessions and sessionless requests, taken at
+// its mean for a session already in progress, whose cache should not be
+// gambled on an exploratory draw. Impact_w = running_w × ŝ_w·prefill_w is
+// the delay this request's prefill adds to the sequences decoding on w (they
+// stall during prefill steps), weighted by ι (impact_weight). R_w is the
+// fleet's cost of recomputing what another candidate has cached: the pooled
+// prefill time of (max overlap − overlap_w) blocks, weighted by ρ
+// (recompute_weight); it keeps a conversation where its cache is unless the
+// wait there outweighs the GPU time a move costs the fleet. O_w is the work
+// still announced by the agent sessions pinned to w (reuse budget × blocks
+// per request, from the prefix hints, in pooled prefill time; it places new
+// sessions and sessionless requests and does not move a pinned session),
+// and A_w an affinity credit for the endpoint the request's session last
+// went to: the prompt's pooled prefill time × weight, shrinking with the
+// session's remaining reuse budget and decaying with the time since its
+// last request (on the scale of its inter-arrival hint). The lowest cost
+// wins; ties go to the smaller cache tree, then at random.
+//
+// The previous formulation (cost: blocks, registered as kvbandit_blocks)
+// is Dynamo's KV cost refined the same way:
 //
 //	cost_w = ŝ_w · prefill_w + δ · decode_w + β · O_w − A_w
 //
-// where prefill_w + decode_w is Dynamo's cost (routing/policy/kv): the
-// prefill work w would have (its in-flight prefill plus this request's
-// uncached tokens, in blocks, weighted) and the decode blocks it would hold.
-// δ (decode_weight, 1/32) puts the two in time units: in a chunked-prefill
-// engine the decodes ride along with prefill steps, so a held block delays a
-// new request's first token far less than a block to prefill; with Dynamo's
-// δ = 1 a busy worker's decode blocks outweigh a cached prefix.
-// O_w is the work still announced by the agent sessions pinned to w (reuse
-// budget × blocks per request, from the prefix hints; it places new
-// sessions and sessionless requests, and does not move a pinned session),
-// and A_w an affinity credit for the endpoint the request's session last
-// went to, which shrinks with the session's remaining reuse budget and
-// decays with the time since its last request (on the scale of its
-// inter-arrival hint). The lowest cost wins; ties go to the smaller cache
-// tree, then at random.
+// with prefill_w + decode_w Dynamo's cost (routing/policy/kv) in blocks and
+// δ (decode_weight, 1/32) putting held decode blocks in prefill units.
 //
-// ŝ_w is how slow w prefills relative to the fleet, as a log-normal
-// posterior learned from time to first token per unit of prefill work at
-// decision time; it is sampled per request (Thompson sampling), or taken at
-// its mean for a session already in progress, whose cache should not be
-// gambled on an exploratory draw. It scales only the prefill term: the
-// decode-block term is memory pressure, common to every endpoint for an
-// idle fleet, and scaling it would turn the sampling noise into a bias
-// against cache hits. The posterior forgets (a worker that slows down
-// mid-run is found out, a recovered one tried again), and sampling keeps
-// several kvbandit replicas, or a burst of identical requests, from herding
-// onto one endpoint.
+// Both costs learn the same model from every outcome, and the policy
+// implements [routing.Predictor] (posterior means).
 package kvbandit
 
 import (
@@ -40,26 +47,46 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
-	"slices"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/latency"
 	"github.com/kvbandit/kvbandit/routing/policy/kv"
 )
 
-// Name is the --policy value.
-const Name = "kvbandit"
+// Name is the --policy value of the default (cost: ttft); BlocksName
+// that of the previous formulation (cost: blocks).
+const (
+	Name       = "kvbandit"
+	BlocksName = "kvbandit_blocks"
+)
+
+// The costs.
+const (
+	CostTTFT   = "ttft"
+	CostBlocks = "blocks"
+)
 
 // Config holds the policy's parameters.
 type Config struct {
-	// OverlapScoreWeight is the kv backbone's prefill weight.
+	// Cost is ttft (predicted time to first token, the default) or blocks
+	// (the KV cost model in blocks).
+	Cost string `json:"cost"`
+	// ImpactWeight (ι) scales the delay the request adds to the sequences
+	// decoding on a candidate (cost: ttft).
+	ImpactWeight float64 `json:"impact_weight"`
+	// RecomputeWeight (ρ) scales the fleet's cost of recomputing what
+	// another candidate caches (cost: ttft).
+	RecomputeWeight float64 `json:"recompute_weight"`
+	// OverlapScoreWeight is the kv backbone's prefill weight (cost: blocks).
 	OverlapScoreWeight float64 `json:"overlap_score_weight"`
-	// DecodeWeight scales the decode-block term (Dynamo's kv uses 1).
+	// DecodeWeight scales the decode-block term (cost: blocks; Dynamo's kv
+	// uses 1).
 	DecodeWeight float64 `json:"decode_weight"`
 	// Speed is the Thompson-sampled speed posterior.
 	Speed SpeedConfig `json:"speed"`
+	// Latency is the rest of the latency model.
+	Latency LatencyConfig `json:"latency"`
 	// Affinity is the hint-driven prefix affinity.
 	Affinity AffinityConfig `json:"affinity"`
 }
@@ -71,20 +98,33 @@ type SpeedConfig struct {
 	// outcomes say otherwise; wider priors make an untried worker's draws
 	// outweigh a modest cache advantage).
 	PriorSigma float64 `json:"prior_sigma"`
-	// ObsSigma is the noise of one observation's log time-per-work.
+	// ObsSigma is the noise of one observation's log TTFT ratio.
 	ObsSigma float64 `json:"obs_sigma"`
-	// Forget discounts the posterior precision per observation (0.97: the
-	// last ~30 observations dominate).
+	// Forget discounts the posterior precision per observation (0.9: a
+	// change of speed is 90% known after 22 of the endpoint's outcomes).
 	Forget float64 `json:"forget"`
-	// BaselineAlpha is the EMA rate of the fleet baseline.
-	BaselineAlpha float64 `json:"baseline_alpha"`
 	// MaxFactor bounds a sampled factor to [1/MaxFactor, MaxFactor].
 	MaxFactor float64 `json:"max_factor"`
 }
 
+// LatencyConfig parameterises the pooled latency fit (routing/latency).
+type LatencyConfig struct {
+	// BatchTokens is the workers' prompt-token budget per step (vLLM's
+	// max_num_batched_tokens).
+	BatchTokens int `json:"batch_tokens"`
+	// Forget is the pooled fit's weight kept per outcome.
+	Forget float64 `json:"forget"`
+	// Ridge is the prior's weight in outcomes.
+	Ridge float64 `json:"ridge"`
+	// MemoryFull is the KV usage above which waiting requests count as
+	// blocked on memory.
+	MemoryFull float64 `json:"memory_full"`
+}
+
 // AffinityConfig parameterises prefix affinity from hints.
 type AffinityConfig struct {
-	// Weight scales the credit, in blocks, per block of the prompt.
+	// Weight scales the credit per prompt block (per prompt prefill time
+	// with cost: ttft).
 	Weight float64 `json:"weight"`
 	// OutstandingWeight (β) scales pinned sessions' announced work.
 	OutstandingWeight float64 `json:"outstanding_weight"`
@@ -95,21 +135,45 @@ type AffinityConfig struct {
 	DecayHighSeconds   float64 `json:"decay_high_seconds"`
 }
 
-// DefaultDecodeWeight is the decode-block term's weight. Decode work
-// barely delays a new request's first token in a chunked-prefill engine
-// (prefill steps run at prefill speed with the decodes riding along), so
-// in time units one held block weighs far less than one block to prefill;
-// Dynamo's 1 lets a busy worker's decode blocks outweigh a cached prefix
-// and scatters sessions. The value comes from `kvbandit bench` (docs/bench.md).
+// DefaultDecodeWeight is the decode-block term's weight (cost: blocks).
+// Decode work barely delays a new request's first token in a
+// chunked-prefill engine (prefill steps run at prefill speed with the
+// decodes riding along), so in time units one held block weighs far less
+// than one block to prefill; Dynamo's 1 lets a busy worker's decode blocks
+// outweigh a cached prefix and scatters sessions. The value comes from
+// `kvbandit bench` (docs/bench.md).
 const DefaultDecodeWeight = 1.0 / 32
 
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
+	lc := latency.DefaultConfig()
 	return Config{
+		Cost:               CostTTFT,
+		ImpactWeight:       DefaultImpactWeight,
+		RecomputeWeight:    DefaultRecomputeWeight,
 		OverlapScoreWeight: 1,
 		DecodeWeight:       DefaultDecodeWeight,
-		Speed:              SpeedConfig{PriorSigma: 0.15, ObsSigma: 0.35, Forget: 0.97, BaselineAlpha: 0.05, MaxFactor: 8},
+		Speed:              SpeedConfig{PriorSigma: lc.PriorSigma, ObsSigma: lc.ObsSigma, Forget: lc.SpeedForget, MaxFactor: lc.MaxFactor},
+		Latency:            LatencyConfig{BatchTokens: lc.BatchTokens, Forget: lc.Forget, Ridge: lc.Ridge, MemoryFull: lc.MemoryFull},
 		Affinity:           AffinityConfig{Weight: 1, OutstandingWeight: 0.1, DecayLowSeconds: 2, DecayMediumSeconds: 10, DecayHighSeconds: 60},
+	}
+}
+
+// DefaultImpactWeight and DefaultRecomputeWeight are ι and ρ, from
+// `kvbandit bench` (see the README): ρ = 8 brings the Mooncake trace to
+// 97% of the finite-cache bound's hit rate with TTFT p90 unchanged (ρ = 0:
+// 77%); weighting the impact did not improve TTFT or E2E, so ι is 0 (the
+// impact is still predicted and shown).
+const (
+	DefaultImpactWeight    = 0.0
+	DefaultRecomputeWeight = 8.0
+)
+
+// model returns the latency model's parameters.
+func (c Config) model() latency.Config {
+	return latency.Config{
+		BatchTokens: c.Latency.BatchTokens, Forget: c.Latency.Forget, Ridge: c.Latency.Ridge, MemoryFull: c.Latency.MemoryFull,
+		PriorSigma: c.Speed.PriorSigma, ObsSigma: c.Speed.ObsSigma, SpeedForget: c.Speed.Forget, MaxFactor: c.Speed.MaxFactor,
 	}
 }
 
@@ -122,18 +186,21 @@ func (c Config) Validate() error {
 		}
 	}
 	inf := math.Inf(1)
+	if c.Cost != CostTTFT && c.Cost != CostBlocks {
+		errs = append(errs, fmt.Errorf("kvbandit.cost: %q is not ttft or blocks", c.Cost))
+	}
+	check("impact_weight", c.ImpactWeight, 0, 1e6, false)
+	check("recompute_weight", c.RecomputeWeight, 0, 1e6, false)
 	check("overlap_score_weight", c.OverlapScoreWeight, 0, 1e6, false)
 	check("decode_weight", c.DecodeWeight, 0, 1e6, false)
-	check("speed.prior_sigma", c.Speed.PriorSigma, 0, 10, false)
-	check("speed.obs_sigma", c.Speed.ObsSigma, 0, 10, true)
-	check("speed.forget", c.Speed.Forget, 0, 1, true)
-	check("speed.baseline_alpha", c.Speed.BaselineAlpha, 0, 1, true)
-	check("speed.max_factor", c.Speed.MaxFactor, 1, inf, false)
 	check("affinity.weight", c.Affinity.Weight, 0, 1e6, false)
 	check("affinity.outstanding_weight", c.Affinity.OutstandingWeight, 0, 1e6, false)
 	check("affinity.decay_low_seconds", c.Affinity.DecayLowSeconds, 0, inf, true)
 	check("affinity.decay_medium_seconds", c.Affinity.DecayMediumSeconds, 0, inf, true)
 	check("affinity.decay_high_seconds", c.Affinity.DecayHighSeconds, 0, inf, true)
+	if err := c.model().Validate(); err != nil {
+		errs = append(errs, fmt.Errorf("kvbandit: %w", err))
+	}
 	return errors.Join(errs...)
 }
 
@@ -165,38 +232,15 @@ type Prefixes interface {
 // Policy is the kvbandit policy.
 type Policy struct {
 	cfg      Config
+	name     string
 	prefixes Prefixes
-
-	// post maps postKey → *belief. Reads on the request path are lock-free
-	// (sync.Map load, atomic pointer load); Done serialises writers per key.
-	post sync.Map
-	// baseline is the fleet-wide EMA of log time-per-work (float64 bits);
-	// haveBase is set once it holds a value.
-	baseline atomic.Uint64
-	haveBase atomic.Bool
-}
-
-// belief is one endpoint rank's posterior, replaced whole on each update.
-type belief struct {
-	mu sync.Mutex // writers only
-	v  atomic.Pointer[posterior]
-}
-
-type postKey struct {
-	ep   routing.EndpointKey
-	rank int
-}
-
-// posterior is a Normal belief over log speed: mean m, precision p.
-type posterior struct {
-	m, p float64
-	n    int
-	seen time.Time
+	model    *latency.Model
 }
 
 var (
 	_ routing.Policy       = (*Policy)(nil)
 	_ routing.OutcomeAware = (*Policy)(nil)
+	_ routing.Predictor    = (*Policy)(nil)
 )
 
 // New returns the policy. prefixes may be nil (no affinity, no outstanding
@@ -205,19 +249,32 @@ func New(cfg Config, prefixes Prefixes) (*Policy, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Policy{cfg: cfg, prefixes: prefixes}, nil
+	m, err := latency.New(cfg.model())
+	if err != nil {
+		return nil, err
+	}
+	name := Name
+	if cfg.Cost == CostBlocks {
+		name = BlocksName
+	}
+	return &Policy{cfg: cfg, name: name, prefixes: prefixes, model: m}, nil
 }
 
-// Name implements [routing.Policy].
-func (*Policy) Name() string { return Name }
+// Name implements [routing.Policy]: kvbandit, or kvbandit_blocks with
+// cost: blocks.
+func (p *Policy) Name() string { return p.name }
+
+// Model returns the policy's latency model.
+func (p *Policy) Model() *latency.Model { return p.model }
 
 // NeedsOutcomes implements [routing.OutcomeAware].
 func (*Policy) NeedsOutcomes() bool { return true }
 
 // decision is the per-decision state kept for Done.
 type decision struct {
-	key  postKey
-	work float64 // 1 + prefill blocks (in flight + uncached) at decision time
+	ep   routing.EndpointKey
+	rank int
+	feat latency.Features
 }
 
 // Choose implements [routing.Policy]. Scores are the sampled costs (lower
@@ -231,22 +288,41 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 	rng := rand.New(s.Rand)
 	// Announced work places new work: a request that starts (or has no)
 	// session. A pinned session's later requests are not moved by it (their
-	// own history is cached where they are; the kv cost and the affinity
+	// own history is cached where they are; the cost and the affinity
 	// decide), or sessions would hop whenever another one is pinned.
 	placing := p.prefixes != nil && !(hasSess && sess.Last != "")
 	costs := make([]float64, len(s.Candidates))
 	bs := max(s.BlockSize, 1)
 	promptBlocks := float64(s.ISL) / float64(bs)
+	// unit is the cost of one block to prefill: 1 in blocks, its pooled
+	// prefill time (ms) in ttft.
+	unit := 1.0
+	ttft := p.cfg.Cost == CostTTFT
+	maxOverlap := 0
+	if ttft {
+		k := p.model.Coefficients()
+		unit = max(k.PerBatch, 0) * float64(bs) / float64(p.cfg.Latency.BatchTokens)
+		for i := range s.Candidates {
+			maxOverlap = max(maxOverlap, s.Candidates[i].Overlap)
+		}
+	}
 	for i := range s.Candidates {
 		c := &s.Candidates[i]
-		prefill := p.cfg.OverlapScoreWeight * prefillBlocks(s, c)
-		cost := p.factor(c, rng, !placing)*prefill + p.cfg.DecodeWeight*float64(c.ActiveBlocks+int64(c.NewBlocks))
+		f := p.model.Draw(c, rng, !placing)
+		var cost float64
+		if ttft {
+			e := p.model.Estimate(latency.FromCandidate(c, s.ISL, bs))
+			cost = f*e.Total + p.cfg.ImpactWeight*e.Running*f*e.Own +
+				p.cfg.RecomputeWeight*unit*float64(maxOverlap-c.Overlap)
+		} else {
+			cost = f*p.cfg.OverlapScoreWeight*prefillBlocks(s, c) + p.cfg.DecodeWeight*float64(c.ActiveBlocks+int64(c.NewBlocks))
+		}
 		if placing && p.cfg.Affinity.OutstandingWeight > 0 {
-			cost += p.cfg.Affinity.OutstandingWeight * p.prefixes.Outstanding(c.Key())
+			cost += p.cfg.Affinity.OutstandingWeight * unit * p.prefixes.Outstanding(c.Key())
 		}
 		costs[i] = cost
 		if hasSess && sess.Reuse > 0 && sess.Last == c.Key() && (sess.LastRank == c.DPRank || c.DPRank < 0) {
-			costs[i] -= p.affinity(sess, s.Req.Hints.IAT) * promptBlocks
+			costs[i] -= p.affinity(sess, s.Req.Hints.IAT) * promptBlocks * unit
 		}
 	}
 	idx := kv.Select(costs, s.Candidates, 0, s.Rand)
@@ -254,26 +330,38 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 	if commit && hasSess && p.prefixes != nil {
 		p.prefixes.Pin(s.Req, c.Key(), c.DPRank, sess.Reuse, float64(sess.Reuse)*(promptBlocks+outputBlocks(s.Req, bs)))
 	}
-	st := &decision{key: postKey{c.Key(), c.DPRank}, work: 1 + prefillBlocks(s, c)}
-	ch := routing.Choice{Index: idx, Scores: costs, State: st, Sticky: hasSess && sess.Last != "" && sess.Last == c.Key()}
+	feat := latency.FromCandidate(c, s.ISL, bs)
+	ch := routing.Choice{Index: idx, Scores: costs, Sticky: hasSess && sess.Last != "" && sess.Last == c.Key()}
+	if s.WantPredicted {
+		ch.Predicted = p.Predict(s)
+	} else {
+		ch.Prediction = p.model.Predict(c, feat)
+	}
+	if commit {
+		ch.State = &decision{ep: c.Key(), rank: c.DPRank, feat: feat}
+	}
 	if s.WantRanked {
 		ch.Ranked = kv.Rank(costs, idx)
 	}
 	return ch, nil
 }
 
+// Predict implements [routing.Predictor]: each candidate's predicted TTFT
+// and its parts at its speed factor's posterior mean.
+func (p *Policy) Predict(s *routing.Scoring) []routing.Prediction {
+	out := make([]routing.Prediction, len(s.Candidates))
+	for i := range s.Candidates {
+		c := &s.Candidates[i]
+		out[i] = p.model.Predict(c, latency.FromCandidate(c, s.ISL, s.BlockSize))
+	}
+	return out
+}
+
 // prefillBlocks is the prefill work on c if the request goes there: its
 // in-flight prefill plus the request's uncached tokens, in blocks.
 func prefillBlocks(s *routing.Scoring, c *routing.Candidate) float64 {
-	return prefillWork(c.ActivePrefillTokens, s.ISL, c.Overlap, s.BlockSize)
-}
-
-// prefillWork is the prefill work, in blocks of bs tokens, of a request of
-// isl tokens with overlap cached blocks on an endpoint rank with queued
-// prompt tokens in flight.
-func prefillWork(queued int64, isl, overlap, bs int) float64 {
-	bs = max(bs, 1)
-	return (float64(queued) + float64(max(isl-overlap*bs, 0))) / float64(bs)
+	bs := max(s.BlockSize, 1)
+	return (float64(c.ActivePrefillTokens) + float64(max(s.ISL-c.Overlap*bs, 0))) / float64(bs)
 }
 
 // outputBlocks estimates a request's generated blocks from its hints.
@@ -300,105 +388,30 @@ func (p *Policy) affinity(s Session, iat routing.Level) float64 {
 	return p.cfg.Affinity.Weight * r / (r + 1) * math.Exp(-s.Since.Seconds()/tau)
 }
 
-// belief returns the candidate's belief, from its memo (lock-free) or the
-// policy's map (then memoised); nil when nothing was learned yet.
-func (p *Policy) belief(c *routing.Candidate) *belief {
-	memo := c.Memo()
-	if v := memo.Load(); v != nil {
-		if b, ok := (*v).(*belief); ok {
-			return b
-		}
-	}
-	bi, ok := p.post.Load(postKey{c.Key(), c.DPRank})
-	if !ok {
-		return nil
-	}
-	var v any = bi
-	memo.Store(&v)
-	return bi.(*belief)
-}
-
-// factor is c's speed factor: a draw from its posterior (the prior for an
-// endpoint not seen yet) or, with mean set, the posterior mean. Requests of
-// a session in progress use the mean: exploring on them would move a session
-// away from its cache on a whim; new sessions and sessionless requests do
-// the exploring (and the spreading that sampling gives).
-func (p *Policy) factor(c *routing.Candidate, rng *rand.Rand, mean bool) float64 {
-	m, sd := 0.0, p.cfg.Speed.PriorSigma
-	if b := p.belief(c); b != nil {
-		if v := b.v.Load(); v != nil {
-			m, sd = v.m, 1/math.Sqrt(v.p)
-		}
-	}
-	if mean {
-		sd = 0
-	}
-	f := math.Exp(m + sd*rng.NormFloat64())
-	return min(max(f, 1/p.cfg.Speed.MaxFactor), p.cfg.Speed.MaxFactor)
-}
-
 // Done implements [routing.Policy]: a successful response's time to first
-// token per unit of prefill work at decision time updates the endpoint's
-// speed posterior and the fleet baseline. Other outcomes teach nothing
-// about speed, nor does one served by an endpoint outside the set
-// (Outcome.ServedUnknown): its time belongs to no endpoint the policy
-// knows. A success served by another endpoint of the set is charged to the
-// decision's endpoint and rank, whose work it was measured against.
+// token (and its decode time) with the features recorded at decision time
+// teach the latency model: the pooled fit and the endpoint's speed
+// factor. Other outcomes teach nothing about speed, nor does one served by
+// an endpoint outside the set (Outcome.ServedUnknown): its time belongs to
+// no endpoint the policy knows. A success served by another endpoint of
+// the set is charged to the decision's endpoint and rank, whose load it
+// was measured against.
 func (p *Policy) Done(d *routing.Decision, o routing.Outcome) {
 	st, ok := d.PolicyState().(*decision)
 	if !ok || o.ServedUnknown || o.Kind != routing.OutcomeSuccess || o.TTFT <= 0 {
 		return
 	}
-	y := math.Log(o.TTFT.Seconds() * 1000 / st.work)
-	if math.IsNaN(y) || math.IsInf(y, 0) {
-		return
-	}
-	p.observe(st.key, y, d.At)
-}
-
-// observe folds one log time-per-work observation into the baseline and
-// the endpoint's posterior.
-func (p *Policy) observe(k postKey, y float64, at time.Time) {
-	sc := p.cfg.Speed
-	var base float64
-	for {
-		old := p.baseline.Load()
-		cur := math.Float64frombits(old)
-		if !p.haveBase.Load() {
-			cur = y
-		}
-		base = cur
-		next := cur + sc.BaselineAlpha*(y-cur)
-		if p.baseline.CompareAndSwap(old, math.Float64bits(next)) {
-			p.haveBase.Store(true)
-			break
-		}
-	}
-	rel := y - base
-	bi, _ := p.post.LoadOrStore(k, &belief{})
-	b := bi.(*belief)
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	prev := b.v.Load()
-	if prev == nil {
-		prior := 1e12 // PriorSigma 0: the prior is certain
-		if sc.PriorSigma > 0 {
-			prior = 1 / (sc.PriorSigma * sc.PriorSigma)
-		}
-		prev = &posterior{p: prior}
-	}
-	obsPrec := 1 / (sc.ObsSigma * sc.ObsSigma)
-	kept := sc.Forget * prev.p
-	next := &posterior{p: kept + obsPrec, n: prev.n + 1, seen: at}
-	next.m = (kept*prev.m + obsPrec*rel) / next.p
-	b.v.Store(next)
+	p.model.Observe(latency.Observation{
+		Endpoint: st.ep, DPRank: st.rank, Features: st.feat,
+		TTFT: o.TTFT, Latency: o.Latency, Output: o.CompletionTokens, At: d.At,
+	})
 }
 
 // Posterior is one endpoint's speed belief for metrics and debugging.
 type Posterior struct {
 	Endpoint routing.EndpointKey
 	DPRank   int
-	// Factor is exp(mean): > 1 means slower than the fleet.
+	// Factor is exp(mean): > 1 means slower than the fleet's pooled fit.
 	Factor       float64
 	Sigma        float64
 	Observations int
@@ -406,32 +419,13 @@ type Posterior struct {
 
 // Posteriors returns the current beliefs, sorted by endpoint.
 func (p *Policy) Posteriors() []Posterior {
-	var out []Posterior
-	p.post.Range(func(key, val any) bool {
-		k := key.(postKey)
-		if v := val.(*belief).v.Load(); v != nil {
-			out = append(out, Posterior{Endpoint: k.ep, DPRank: k.rank, Factor: math.Exp(v.m), Sigma: 1 / math.Sqrt(v.p), Observations: v.n})
-		}
-		return true
-	})
-	slices.SortFunc(out, func(a, b Posterior) int {
-		if a.Endpoint != b.Endpoint {
-			if a.Endpoint < b.Endpoint {
-				return -1
-			}
-			return 1
-		}
-		return a.DPRank - b.DPRank
-	})
+	sp := p.model.Speeds()
+	out := make([]Posterior, len(sp))
+	for i, v := range sp {
+		out[i] = Posterior(v)
+	}
 	return out
 }
 
 // Forget drops the beliefs about endpoints not observed since before.
-func (p *Policy) Forget(before time.Time) {
-	p.post.Range(func(key, val any) bool {
-		if v := val.(*belief).v.Load(); v != nil && v.seen.Before(before) {
-			p.post.Delete(key)
-		}
-		return true
-	})
-}
+func (p *Policy) Forget(before time.Time) { p.model.Forget(before) }

@@ -32,20 +32,107 @@ func decide(t *testing.T, p *Policy, s *routing.Scoring) (int, *routing.Decision
 	return ch.Index, routing.NewTestDecision(s.Candidates[ch.Index].Key(), ch.State, s.Now)
 }
 
-func TestWithoutUncertaintyItIsTheKVCostModel(t *testing.T) {
+// costs runs f for both costs.
+func costs(t *testing.T, f func(t *testing.T, cfg Config)) {
+	for _, cost := range []string{CostTTFT, CostBlocks} {
+		t.Run(cost, func(t *testing.T) {
+			cfg := DefaultConfig()
+			cfg.Cost = cost
+			f(t, cfg)
+		})
+	}
+}
+
+func TestWithoutUncertaintyTheCheapestPrefillWins(t *testing.T) {
+	costs(t, func(t *testing.T, cfg Config) {
+		cfg.Speed.PriorSigma = 0
+		p, err := New(cfg, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cs := cands("a:1", "b:1", "c:1")
+		cs[1].Overlap = 3 // cheapest prefill
+		rnd := routing.NewRand(1)
+		for range 50 {
+			if i, _ := decide(t, p, scoring(cs, rnd)); i != 1 {
+				t.Fatalf("chose %d, want the most-cached candidate", i)
+			}
+		}
+	})
+}
+
+func TestTTFTCostWeighsTheWaitAgainstTheCache(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.Speed.PriorSigma = 0
-	p, err := New(cfg, nil)
-	if err != nil {
-		t.Fatal(err)
+	cfg.RecomputeWeight = 0
+	p, _ := New(cfg, nil)
+	cs := cands("a:1", "b:1")
+	s := scoring(cs, routing.NewRand(1))
+	s.ISL = 4096
+	cs[0].Overlap = 200                   // a caches 3200 of the 4096 tokens...
+	cs[0].ActivePrefillTokens = 64 * 1024 // ...behind 8 full batches of work
+	if i, _ := decide(t, p, s); i != 1 {
+		t.Fatal("the cached but swamped endpoint won on predicted TTFT")
 	}
+	cs[0].ActivePrefillTokens = 1024 // a short queue: the cache wins
+	if i, _ := decide(t, p, s); i != 0 {
+		t.Fatal("the cached endpoint with a short queue lost")
+	}
+	// The fleet's recompute cost keeps a conversation with its cache when
+	// the wait there is only somewhat longer.
+	cs[0].ActivePrefillTokens = 3 * 8192
+	if i, _ := decide(t, p, s); i != 1 {
+		t.Fatal("setup: without the recompute term the idle endpoint should win")
+	}
+	cfg.RecomputeWeight = 8
+	p, _ = New(cfg, nil)
+	if i, _ := decide(t, p, s); i != 0 {
+		t.Fatal("recompute_weight 8 did not keep the request with its cache")
+	}
+}
+
+func TestPredictIsTheMeanWithoutSideEffects(t *testing.T) {
+	p, _ := New(DefaultConfig(), nil)
 	cs := cands("a:1", "b:1", "c:1")
-	cs[1].Overlap = 3 // cheapest prefill
-	rnd := routing.NewRand(1)
-	for range 50 {
-		if i, _ := decide(t, p, scoring(cs, rnd)); i != 1 {
-			t.Fatalf("chose %d, want the most-cached candidate", i)
-		}
+	cs[0].ActivePrefillTokens = 20000
+	cs[1].Overlap = 2
+	cs[1].Load = routing.Load{Known: true, Running: 4}
+	s := scoring(cs, routing.NewRand(1))
+	s.ISL = 1000
+	pr := p.Predict(s)
+	if len(pr) != 3 {
+		t.Fatalf("%d predictions", len(pr))
+	}
+	if pr[0].Wait <= pr[2].Wait || pr[1].Prefill >= pr[2].Prefill {
+		t.Fatalf("queued work or cache not reflected: %+v", pr)
+	}
+	if pr[0].Impact != 0 || (pr[1].Impact-4*pr[1].Prefill).Abs() > time.Microsecond {
+		t.Fatalf("impact: %+v", pr)
+	}
+	again := p.Predict(s)
+	if again[0] != pr[0] || again[1] != pr[1] || again[2] != pr[2] || len(p.Posteriors()) != 0 {
+		t.Fatal("Predict is not a pure function of the model")
+	}
+	s.WantPredicted = true
+	ch, _ := p.Choose(s, false)
+	if len(ch.Predicted) != 3 || ch.Predicted[0] != pr[0] {
+		t.Fatalf("Choice.Predicted %+v", ch.Predicted)
+	}
+	s.WantPredicted = false
+	ch, _ = p.Choose(s, true)
+	if ch.Predicted != nil || ch.Prediction != pr[ch.Index] {
+		t.Fatalf("Choice.Prediction %+v, want %+v", ch.Prediction, pr[ch.Index])
+	}
+}
+
+func TestName(t *testing.T) {
+	cfg := DefaultConfig()
+	if p, _ := New(cfg, nil); p.Name() != Name {
+		t.Fatal(p.Name())
+	}
+	cfg.Cost = CostBlocks
+	if p, _ := New(cfg, nil); p.Name() != BlocksName {
+		t.Fatal(p.Name())
 	}
 }
 
@@ -81,21 +168,24 @@ func TestLearnsASlowEndpoint(t *testing.T) {
 
 func TestForgetsWhenAnEndpointRecovers(t *testing.T) {
 	p, _ := New(DefaultConfig(), nil)
-	k := postKey{"a:1", -1}
-	other := postKey{"b:1", -1}
-	at := time.Unix(0, 0)
+	cs := cands("a:1", "b:1")
+	s := scoring(cs, routing.NewRand(1))
+	done := func(ep int, ms float64) {
+		st := &decision{ep: cs[ep].Key(), rank: -1}
+		p.Done(routing.NewTestDecision(cs[ep].Key(), st, s.Now), routing.Outcome{Kind: routing.OutcomeSuccess, TTFT: time.Duration(ms * float64(time.Millisecond))})
+	}
 	for range 100 {
-		p.observe(k, math.Log(40), at)
-		p.observe(other, math.Log(10), at)
+		done(0, 40)
+		done(1, 10)
 	}
-	slow := p.Posteriors()[0].Factor
-	for range 60 {
-		p.observe(k, math.Log(10), at)
-		p.observe(other, math.Log(10), at)
+	slow := p.Posteriors()[0].Factor / p.Posteriors()[1].Factor
+	for range p.Model().Config().DetectWithin(0.9) {
+		done(0, 10)
+		done(1, 10)
 	}
-	now := p.Posteriors()[0].Factor
-	if !(slow > 1.5 && now < 1.3) {
-		t.Fatalf("factor while slow %.2f, after recovery %.2f", slow, now)
+	now := p.Posteriors()[0].Factor / p.Posteriors()[1].Factor
+	if !(slow > 3 && now < 1.3) {
+		t.Fatalf("factor ratio while slow %.2f, after recovery %.2f", slow, now)
 	}
 }
 
@@ -132,13 +222,16 @@ func (f *fakePrefixes) Pin(_ *routing.Request, ep routing.EndpointKey, _, _ int,
 func (f *fakePrefixes) Outstanding(ep routing.EndpointKey) float64 { return f.outstanding[ep] }
 
 func TestAffinityHoldsASessionAndDecays(t *testing.T) {
-	cfg := DefaultConfig()
+	costs(t, testAffinity)
+}
+
+func testAffinity(t *testing.T, cfg Config) {
 	cfg.Speed.PriorSigma = 0
 	cfg.Affinity.Weight = 1
 	fp := &fakePrefixes{ok: true, sess: Session{Reuse: 4, Last: "a:1", Since: 0}}
 	p, _ := New(cfg, fp)
 	cs := cands("a:1", "b:1")
-	cs[0].NewBlocks = 6 // a costs 2 blocks more; credit 1·4/5·4 = 3.2 blocks
+	cs[0].ActivePrefillTokens = 32 // a costs 2 blocks more; credit 1·4/5·4 = 3.2 blocks
 	s := scoring(cs, routing.NewRand(1))
 	s.Req.Hints.IAT = routing.LevelLow
 	if i, _ := decide(t, p, s); i != 0 {
@@ -158,7 +251,10 @@ func TestAffinityHoldsASessionAndDecays(t *testing.T) {
 }
 
 func TestOutstandingWorkSpreadsSessions(t *testing.T) {
-	cfg := DefaultConfig()
+	costs(t, testOutstanding)
+}
+
+func testOutstanding(t *testing.T, cfg Config) {
 	cfg.Speed.PriorSigma = 0
 	fp := &fakePrefixes{ok: true, outstanding: map[routing.EndpointKey]float64{"a:1": 100}}
 	p, _ := New(cfg, fp)
@@ -186,6 +282,11 @@ func TestValidate(t *testing.T) {
 		func(c *Config) { c.Speed.PriorSigma = math.NaN() },
 		func(c *Config) { c.Speed.MaxFactor = 0.5 },
 		func(c *Config) { c.Affinity.DecayLowSeconds = 0 },
+		func(c *Config) { c.Cost = "latency" },
+		func(c *Config) { c.ImpactWeight = -1 },
+		func(c *Config) { c.RecomputeWeight = math.Inf(1) },
+		func(c *Config) { c.Latency.BatchTokens = 0 },
+		func(c *Config) { c.Latency.Ridge = 0 },
 	}
 	for i, f := range bad {
 		c := DefaultConfig()
@@ -221,7 +322,10 @@ func TestConcurrentChooseAndDone(t *testing.T) {
 }
 
 func TestAnnouncedWorkDoesNotMoveAPinnedSession(t *testing.T) {
-	cfg := DefaultConfig()
+	costs(t, testPinned)
+}
+
+func testPinned(t *testing.T, cfg Config) {
 	cfg.Speed.PriorSigma = 0
 	cfg.Affinity.Weight = 0
 	// a:1 carries 1000 blocks of announced work (other sessions'); the

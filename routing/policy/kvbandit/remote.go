@@ -1,9 +1,8 @@
 package kvbandit
 
 import (
-	"math"
-
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/latency"
 )
 
 var (
@@ -31,22 +30,23 @@ func (p *Policy) StartRemote(req *routing.Request, s *routing.RemoteStart) {
 }
 
 // LearnRemote implements [routing.RemoteLearner]: a peer's successful
-// outcome updates the speed posterior of its endpoint and rank, and the
-// fleet baseline, exactly as Done does for a local decision. The prefill
-// work it is measured against is rebuilt from the outcome's decision-time
-// numbers (the rank's queued prefill tokens, prompt tokens, cached blocks,
-// block size), which are the ones Choose used. Two things differ: the
-// posterior's last-seen time is when this replica learnt the outcome, and
-// in a fleet mixing block sizes the work is in the chosen endpoint's
-// block size where a local decision uses the request's first one.
+// outcome updates the speed factor of its endpoint and rank, as Done does
+// for a local decision. The features are rebuilt from the outcome's
+// decision-time numbers (the rank's queued prefill tokens, prompt tokens,
+// cached blocks, block size), which are the ones Choose used. Three things
+// differ: the running sequences and scraped load at the peer's decision are
+// not shared, so a peer's outcome teaches the endpoint's factor only, not
+// the pooled fit; the factor's last-seen time is when this replica learnt
+// the outcome; and in a fleet mixing block sizes the uncached tokens are in
+// the chosen endpoint's block size where a local decision uses the
+// request's first one.
 func (p *Policy) LearnRemote(o *routing.RemoteOutcome) {
 	if o.ServedUnknown || o.Kind != routing.OutcomeSuccess || o.TTFT <= 0 {
 		return
 	}
-	work := 1 + prefillWork(o.QueuedPrefillTokens, o.ISL, o.Overlap, o.BlockSize)
-	y := math.Log(o.TTFT.Seconds() * 1000 / work)
-	if math.IsNaN(y) || math.IsInf(y, 0) {
-		return
-	}
-	p.observe(postKey{o.Endpoint, o.DPRank}, y, o.Received)
+	p.model.Observe(latency.Observation{
+		Endpoint: o.Endpoint, DPRank: o.DPRank, Remote: true, At: o.Received,
+		Features: latency.Features{Queued: o.QueuedPrefillTokens, Uncached: max(o.ISL-o.Overlap*max(o.BlockSize, 1), 0)},
+		TTFT:     o.TTFT,
+	})
 }
