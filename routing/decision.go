@@ -83,18 +83,24 @@ type Score struct {
 	Endpoint EndpointKey `json:"endpoint"`
 	DPRank   int         `json:"dp_rank,omitempty"`
 	Score    float64     `json:"score"`
-	// PredictedTTFTMs and its parts are the policy's prediction for the
-	// endpoint (policies that predict, Engine.Score only).
-	PredictedTTFTMs float64 `json:"predicted_ttft_ms,omitempty"`
-	WaitMs          float64 `json:"wait_ms,omitempty"`
-	PrefillMs       float64 `json:"prefill_ms,omitempty"`
-	ImpactMs        float64 `json:"impact_ms,omitempty"`
+	// Predicted is the policy's prediction for the endpoint (policies
+	// that predict, Engine.Score only); its fields appear inline in JSON.
+	*Predicted
 }
 
-// SetPrediction fills the score's predicted times from p.
-func (s *Score) SetPrediction(p Prediction) {
+// Predicted is a candidate's predicted time to first token and its parts,
+// in milliseconds, as /v1/route and Engine.Score show them.
+type Predicted struct {
+	PredictedTTFTMs float64 `json:"predicted_ttft_ms"`
+	WaitMs          float64 `json:"wait_ms"`
+	PrefillMs       float64 `json:"prefill_ms"`
+	ImpactMs        float64 `json:"impact_ms"`
+}
+
+// PredictedOf converts p to milliseconds.
+func PredictedOf(p Prediction) Predicted {
 	msOf := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
-	s.PredictedTTFTMs, s.WaitMs, s.PrefillMs, s.ImpactMs = msOf(p.TTFT), msOf(p.Wait), msOf(p.Prefill), msOf(p.Impact)
+	return Predicted{PredictedTTFTMs: msOf(p.TTFT), WaitMs: msOf(p.Wait), PrefillMs: msOf(p.Prefill), ImpactMs: msOf(p.Impact)}
 }
 
 // Decision is the engine's answer for one request. Its exported fields are

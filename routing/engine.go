@@ -876,10 +876,15 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	}
 	if ch.Scores != nil {
 		d.Scores = make([]Score, len(sc.Candidates))
+		var pred []Predicted
+		if len(ch.Predicted) == len(sc.Candidates) {
+			pred = make([]Predicted, len(sc.Candidates))
+		}
 		for i := range sc.Candidates {
 			d.Scores[i] = Score{Endpoint: sc.Candidates[i].Key(), DPRank: sc.Candidates[i].DPRank, Score: ch.Scores[i]}
-			if len(ch.Predicted) == len(sc.Candidates) {
-				d.Scores[i].SetPrediction(ch.Predicted[i])
+			if pred != nil {
+				pred[i] = PredictedOf(ch.Predicted[i])
+				d.Scores[i].Predicted = &pred[i]
 			}
 		}
 	}

@@ -243,6 +243,13 @@ func (m *Model) Observe(o Observation) {
 		return
 	}
 	y := o.TTFT.Seconds() * 1000
+	k0 := key{o.Endpoint, o.DPRank}
+	if o.Remote {
+		// A peer does not share the running sequences at its decision:
+		// take the endpoint's recent mean from this replica's own outcomes
+		// (0 before any), so that its outcome is not read as slowness.
+		o.Features.Running = m.recentRunning(k0)
+	}
 	m.mu.Lock()
 	k := m.coef.Load()
 	x, _ := m.regressors(k, o.Features)
@@ -271,7 +278,7 @@ func (m *Model) Observe(o Observation) {
 	m.mu.Unlock()
 	lim := math.Log(m.cfg.MaxFactor)
 	rel := min(max(math.Log(y/pred), -lim), lim)
-	m.observeSpeed(key{o.Endpoint, o.DPRank}, rel, o.At)
+	m.observeSpeed(k0, rel, o.At, o.Features.Running, !o.Remote)
 }
 
 // wls is an exponentially weighted least-squares fit with a ridge towards

@@ -272,3 +272,29 @@ func BenchmarkEstimate(b *testing.B) {
 		_ = m.Predict(c, f)
 	}
 }
+
+// TestRemoteOutcomesUseTheRecentRunning: a peer's outcome carries no
+// running count; the endpoint's recent one from local outcomes stands in,
+// so that a peer's outcome on a busy endpoint is not read as slowness.
+func TestRemoteOutcomesUseTheRecentRunning(t *testing.T) {
+	m := newModel(t, DefaultConfig())
+	r := rand.New(rand.NewPCG(11, 12))
+	for range 3000 {
+		f := randFeatures(r)
+		f.Running = 200 // a busy endpoint: long decode steps
+		m.Observe(obs("a:1", f, fleet.ttft(f), fleet.decode(f.Running), 50))
+	}
+	before, _ := m.Factor(cand("a:1"))
+	for range 50 {
+		// Short prompts, nothing queued: the decode step in progress is
+		// most of the wait.
+		f := Features{Uncached: 100 + r.IntN(400), Running: 200}
+		o := obs("a:1", f, fleet.ttft(f), 0, 0)
+		o.Remote, o.Features.Running = true, 0
+		m.Observe(o)
+	}
+	after, _ := m.Factor(cand("a:1"))
+	if math.Abs(after-before) > 0.1 {
+		t.Fatalf("peers' outcomes moved the log factor from %.3f to %.3f", before, after)
+	}
+}

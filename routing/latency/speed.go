@@ -24,6 +24,23 @@ type posterior struct {
 	m, p float64
 	n    int
 	seen time.Time
+	// run is a moving average of the running sequences at this replica's
+	// own decisions on the endpoint (peers' outcomes do not carry them).
+	run float64
+}
+
+// runAlpha is the weight of one local outcome in posterior.run.
+const runAlpha = 0.1
+
+// recentRunning returns the endpoint's average running sequences at
+// recent local decisions (0 when unknown).
+func (m *Model) recentRunning(k key) float64 {
+	if bi, ok := m.speeds.Load(k); ok {
+		if v := bi.(*belief).v.Load(); v != nil {
+			return v.run
+		}
+	}
+	return 0
 }
 
 // belief returns the candidate's belief, from its memo (lock-free) or the
@@ -69,7 +86,7 @@ func (m *Model) Draw(c *routing.Candidate, rng *rand.Rand, mean bool) float64 {
 
 // observeSpeed folds one log ratio (measured over pooled prediction) into
 // the endpoint's factor.
-func (m *Model) observeSpeed(k key, rel float64, at time.Time) {
+func (m *Model) observeSpeed(k key, rel float64, at time.Time, running float64, local bool) {
 	if math.IsNaN(rel) || math.IsInf(rel, 0) {
 		return
 	}
@@ -87,7 +104,14 @@ func (m *Model) observeSpeed(k key, rel float64, at time.Time) {
 	}
 	obs := 1 / (m.cfg.ObsSigma * m.cfg.ObsSigma)
 	kept := m.cfg.SpeedForget * prev.p
-	next := &posterior{p: kept + obs, n: prev.n + 1, seen: at}
+	next := &posterior{p: kept + obs, n: prev.n + 1, seen: at, run: prev.run}
+	if local && running >= 0 && !math.IsInf(running, 0) {
+		if prev.n == 0 {
+			next.run = running
+		} else {
+			next.run += runAlpha * (running - prev.run)
+		}
+	}
 	next.m = (kept*prev.m + obs*rel) / next.p
 	b.v.Store(next)
 }

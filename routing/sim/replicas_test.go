@@ -180,7 +180,10 @@ func TestReplicasSyncSpreadsBurst(t *testing.T) {
 			}
 		}
 		t.Logf("%s over 6 seeds: most loaded worker %d vs %d requests, TTFT p90 %d vs %d ms (none vs nats)", p, most[0], most[1], tail[0], tail[1])
-		if most[1] >= most[0] || tail[1] >= tail[0] {
+		// kvbandit's TTFT cost keeps the burst with the cached prefix
+		// until the wait there outweighs a recompute, so sync shortens
+		// the tail without necessarily unloading the busiest worker.
+		if most[1] > most[0] || tail[1] >= tail[0] {
 			t.Fatalf("%s: sync does not spread the burst better: most loaded %v, TTFT p90 sum %v (none, nats)", p, most, tail)
 		}
 	}

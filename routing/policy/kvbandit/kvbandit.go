@@ -198,8 +198,18 @@ func (c Config) Validate() error {
 	check("affinity.decay_low_seconds", c.Affinity.DecayLowSeconds, 0, inf, true)
 	check("affinity.decay_medium_seconds", c.Affinity.DecayMediumSeconds, 0, inf, true)
 	check("affinity.decay_high_seconds", c.Affinity.DecayHighSeconds, 0, inf, true)
-	if err := c.model().Validate(); err != nil {
-		errs = append(errs, fmt.Errorf("kvbandit: %w", err))
+	check("speed.prior_sigma", c.Speed.PriorSigma, 0, 10, false)
+	check("speed.obs_sigma", c.Speed.ObsSigma, 0, 10, true)
+	check("speed.forget", c.Speed.Forget, 0, 1, true)
+	check("speed.max_factor", c.Speed.MaxFactor, 1, inf, false)
+	check("latency.batch_tokens", float64(c.Latency.BatchTokens), 1, 1<<24, false)
+	check("latency.forget", c.Latency.Forget, 0, 1, true)
+	check("latency.ridge", c.Latency.Ridge, 0, 1e6, true)
+	check("latency.memory_full", c.Latency.MemoryFull, 0, 1, false)
+	if len(errs) == 0 {
+		if err := c.model().Validate(); err != nil { // the same bounds; kept in step
+			errs = append(errs, fmt.Errorf("kvbandit: %w", err))
+		}
 	}
 	return errors.Join(errs...)
 }
