@@ -71,6 +71,9 @@ type Config struct {
 	KVEvents        bool           // true: workers' KV events feed the engine's index (exact, trusted); false: approximate index only
 	Seed            int64
 	Logger          *slog.Logger
+	// TierWeights price the workers' CPU-tier hits for the policies
+	// (zero: routing.DefaultTierWeights).
+	TierWeights routing.TierWeights
 
 	// Replicas is the number of pickers: independent engines (same policy
 	// and options, each its own random source, prefix store and index)
