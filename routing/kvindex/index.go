@@ -107,9 +107,9 @@ var (
 	// or approximate insert was rejected.
 	ErrTooManyBlockSizes = errors.New("kvindex: too many block sizes")
 	// ErrTierFull: a lower-tier (CPU, disk) Stored event would take the
-	// worker's blocks of that medium over MaxEventEntries; the blocks
-	// before the first that did not fit were applied. The GPU view is
-	// unaffected.
+	// worker's blocks of that medium over MaxEventEntries, or its block
+	// sizes on that medium over WorkerBlockSizes; the blocks before the
+	// first that did not fit were applied. The GPU view is unaffected.
 	ErrTierFull = errors.New("kvindex: worker's lower-tier blocks at their cap")
 )
 

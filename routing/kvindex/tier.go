@@ -140,7 +140,7 @@ func (ix *Index) applyLowerStored(wk *worker, ev *Event) error {
 			if len(ts.spaces[m]) >= WorkerBlockSizes {
 				ix.blockSizes.Add(1)
 				return fmt.Errorf("%w: worker %s rank %d already uses %d block sizes on %v, %d would be one more",
-					ErrTooManyBlockSizes, wk.endpoint, wk.rank, len(ts.spaces[m]), m, r.bs)
+					ErrTierFull, wk.endpoint, wk.rank, len(ts.spaces[m]), m, r.bs)
 			}
 			sp = &tierSpace{engine: make(map[uint64]uint64), held: make(map[uint64]int32), factor: r.factor}
 			if ts.spaces[m] == nil {
