@@ -3,6 +3,7 @@ package app
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -15,8 +16,19 @@ import (
 // more of them cached with the tier than without.
 func TestBenchCPUTier(t *testing.T) {
 	t.Parallel()
-	path := writeMooncake(t, 80)
+	// Twelve conversations of 2 Mooncake blocks (1024 tokens) visited in
+	// turn: 24 blocks of 512 tokens against GPU caches of 2 × 40 blocks of
+	// 64 tokens (10 of them), so the GPUs evict what comes back later.
+	var b strings.Builder
+	for i := range 96 {
+		c := i % 12
+		fmt.Fprintf(&b, `{"timestamp": %d, "input_length": 1100, "output_length": 4, "hash_ids": [%d, %d, %d]}`+"\n", i*200, 10+c, 100+c, 1000+i)
+	}
 	dir := t.TempDir()
+	path := filepath.Join(dir, "conversations.jsonl")
+	if err := os.WriteFile(path, []byte(b.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	bench := func(name string, extra ...string) (string, benchReport) {
 		out := filepath.Join(dir, name+".json")
 		args := append([]string{"bench", "--trace", path, "--workers", "2", "--policy", "kv,weighted", "--rate-scale", "2",
