@@ -115,12 +115,38 @@ func (c *cpuCache) unlink(s int32) {
 // tokens, sent while the GPU's still name them), the GPU's BlockRemoved,
 // then BlockRemoved with medium CPU for what the CPU tier evicted.
 func (w *worker) offload(evicted []uint64) {
+	// The events go out stores first, removals last, so they carry the
+	// batch's net effect: a block taken and dropped within it is stored
+	// then removed, one dropped and taken back is not announced at all.
+	before := make(map[uint64]bool, len(evicted)) // held when the batch began
+	var puts, drops []uint64
+	for _, h := range evicted {
+		if _, ok := before[h]; !ok {
+			_, before[h] = w.cpu.index[h]
+		}
+		n := len(drops)
+		var isNew bool
+		if drops, isNew = w.cpu.put(h, drops); isNew {
+			puts = append(puts, h)
+		}
+		for _, x := range drops[n:] {
+			if _, ok := before[x]; !ok {
+				before[x] = true
+			}
+		}
+	}
 	stored := w.cpuStored[:0]
 	dropped := w.cpuDropped[:0]
-	for _, h := range evicted {
-		var isNew bool
-		if dropped, isNew = w.cpu.put(h, dropped); isNew {
+	for _, h := range puts {
+		if _, held := w.cpu.index[h]; held && !before[h] {
+			before[h] = true // announced once
 			stored = append(stored, kvindex.StoredBlock{EngineHash: h})
+		}
+	}
+	for _, x := range drops {
+		if _, held := w.cpu.index[x]; !held && before[x] {
+			before[x] = false // announced once
+			dropped = append(dropped, x)
 		}
 	}
 	if w.onEvent != nil {

@@ -85,3 +85,43 @@ func TestCPUTierThroughTheEngine(t *testing.T) {
 		t.Fatal("negative reload bandwidth accepted")
 	}
 }
+
+// TestCPUTierEventsUnderChurn: a tier smaller than the GPU's eviction
+// batches drops blocks it took in the same batch and takes back blocks it
+// dropped; the events still describe both tiers exactly (as vLLM's
+// offloading events would), and the engine's index refuses none.
+func TestCPUTierEventsUnderChurn(t *testing.T) {
+	reqs := synthetic(400, 30, 300, 60, 80, 9)
+	for _, cpu := range []int{8, 24, 200} {
+		r := newRig(t, WorkerConfig{KVBlocks: 48, BlockSize: 16, CPUBlocks: cpu})
+		as := make([]*active, len(reqs))
+		for i := range reqs {
+			as[i] = &active{req: &reqs[i]}
+		}
+		r.check = func() {
+			if len(r.cpu) != len(r.w.cpu.index) {
+				t.Fatalf("cpu %d: events say %d blocks, the tier holds %d", cpu, len(r.cpu), len(r.w.cpu.index))
+			}
+			for h := range r.w.cpu.index {
+				if !r.cpu[h] {
+					t.Fatalf("cpu %d: block %x held, never announced", cpu, h)
+				}
+			}
+		}
+		r.run(as...)
+		r.sameAsEvents()
+		if r.w.stats.CPUCachedTokens == 0 {
+			t.Errorf("cpu %d: no CPU hit", cpu)
+		}
+		ws := []WorkerConfig{{KVBlocks: 48, BlockSize: 16, CPUBlocks: cpu}, {KVBlocks: 48, BlockSize: 16, CPUBlocks: cpu}, {KVBlocks: 48, BlockSize: 16, CPUBlocks: cpu}}
+		for _, p := range []string{"kv", "weighted"} {
+			res, err := Run(t.Context(), Config{Workers: ws, Policy: p, KVEvents: true, Seed: 1}, reqs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.KVEventErrors != 0 {
+				t.Errorf("cpu %d, %s: %d KV events refused", cpu, p, res.KVEventErrors)
+			}
+		}
+	}
+}
