@@ -119,6 +119,9 @@ type Decision struct {
 	DPRank int
 	// Overlap is the predicted number of cached prefix blocks.
 	Overlap int
+	// OverlapCPU and OverlapDisk are the chosen candidate's lower-tier
+	// blocks after Overlap (see Candidate.OverlapCPU).
+	OverlapCPU, OverlapDisk int
 	// Scores are the per-candidate scores, when the policy produces them.
 	Scores []Score
 	// At is when the decision was made.

@@ -189,6 +189,9 @@ type Options struct {
 	// ErrRemoteLimit: the sync layer's TTLs normally keep far below.
 	MaxRemoteDecisions int
 	RemoteBlockBudget  int
+	// TierWeights price lower-tier (CPU, disk) cache hits for the policies
+	// (router.tier_weights; zero: DefaultTierWeights).
+	TierWeights TierWeights
 }
 
 // insert is one approximate index insert queued off the request path.
@@ -229,6 +232,7 @@ func (o *Options) defaults() {
 	if o.RemoteBlockBudget <= 0 {
 		o.RemoteBlockBudget = DefaultRemoteBlockBudget
 	}
+	o.TierWeights = o.TierWeights.OrDefault()
 	o.Ejection.defaults()
 }
 
@@ -756,7 +760,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	for _, st := range eps {
 		n += len(st.ranks)
 	}
-	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: now, Candidates: make([]Candidate, 0, n), WantRanked: e.opts.Fallbacks > 0, WantPredicted: !commit}
+	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: now, Candidates: make([]Candidate, 0, n), WantRanked: e.opts.Fallbacks > 0, WantPredicted: !commit, TierWeights: e.opts.TierWeights}
 	sb := e.bufs.Get().(*scratch)
 	defer e.bufs.Put(sb)
 	timed := commit && e.deps.OnTimings != nil
@@ -815,6 +819,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 			if i, found := slices.BinarySearchFunc(ks.index, rs.worker, func(m kvindex.Match, w kvindex.WorkerID) int { return cmp.Compare(m.Worker, w) }); found {
 				c.Overlap = ks.index[i].Blocks
 			}
+			c.OverlapCPU, c.OverlapDisk = e.index.TierOverlap(rs.worker, ks.bs, ks.keys, c.Overlap)
 			// Always, not only when some candidate caches a block: exact
 			// ties between endpoints that cache nothing of the prompt (an
 			// idle fleet, fresh prompts) go to the less cached one too.
@@ -865,8 +870,11 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		DPRank:   c.DPRank,
 		Overlap:  c.Overlap,
 		At:       sc.Now,
-		Sticky:   ch.Sticky,
-		state:    ch.State,
+		// The lower tiers' blocks, reported beside Overlap.
+		OverlapCPU:  c.OverlapCPU,
+		OverlapDisk: c.OverlapDisk,
+		Sticky:      ch.Sticky,
+		state:       ch.State,
 
 		Objective: req.Hints.TTFTObjective,
 	}

@@ -17,6 +17,7 @@ type Collector struct {
 	blocks        *prometheus.Desc
 	indexEntries  *prometheus.Desc
 	indexBlocks   *prometheus.Desc
+	indexTiers    *prometheus.Desc
 	indexEvents   *prometheus.Desc
 	indexDropped  *prometheus.Desc
 	expired       *prometheus.Desc
@@ -43,6 +44,7 @@ func NewCollector(e *Engine) *Collector {
 		blocks:        prometheus.NewDesc("kvbandit_endpoint_active_blocks", "Distinct KV blocks held by in-flight requests.", []string{"endpoint"}, nil),
 		indexEntries:  prometheus.NewDesc("kvbandit_index_entries", "(block, worker) entries in the KV index, by mode.", []string{"mode"}, nil),
 		indexBlocks:   prometheus.NewDesc("kvbandit_index_blocks", "Distinct blocks in the KV index.", nil, nil),
+		indexTiers:    prometheus.NewDesc("kvbandit_index_tier_blocks", "Workers' lower-tier KV blocks in the index (from KV events with a CPU or disk medium), by medium.", []string{"medium"}, nil),
 		indexEvents:   prometheus.NewDesc("kvbandit_index_event_rejections_total", "KV events rejected or partly applied, by reason.", []string{"reason"}, nil),
 		indexDropped:  prometheus.NewDesc("kvbandit_index_approx_dropped_total", "Approximate entries dropped, by reason (ttl, pruned).", []string{"reason"}, nil),
 		expired:       prometheus.NewDesc("kvbandit_decisions_expired_total", "Decisions released by the sweeper because their outcome never came.", nil, nil),
@@ -57,7 +59,7 @@ func NewCollector(e *Engine) *Collector {
 
 // Describe implements [prometheus.Collector].
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.inflight, c.remote, c.remoteExpired, c.decisions, c.endpoints, c.prefill, c.blocks, c.indexEntries, c.indexBlocks, c.indexEvents, c.indexDropped, c.expired, c.servedUnknown, c.insertsDrop, c.queueDepth, c.queueOutcomes, c.ejections, c.ejected} {
+	for _, d := range []*prometheus.Desc{c.inflight, c.remote, c.remoteExpired, c.decisions, c.endpoints, c.prefill, c.blocks, c.indexEntries, c.indexBlocks, c.indexTiers, c.indexEvents, c.indexDropped, c.expired, c.servedUnknown, c.insertsDrop, c.queueDepth, c.queueOutcomes, c.ejections, c.ejected} {
 		ch <- d
 	}
 }
@@ -87,6 +89,8 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.indexEntries, prometheus.GaugeValue, float64(is.ApproxEntries), "approximate")
 	ch <- prometheus.MustNewConstMetric(c.indexEntries, prometheus.GaugeValue, float64(is.Entries-is.ApproxEntries), "event")
 	ch <- prometheus.MustNewConstMetric(c.indexBlocks, prometheus.GaugeValue, float64(is.Blocks))
+	ch <- prometheus.MustNewConstMetric(c.indexTiers, prometheus.GaugeValue, float64(is.CPUBlocks), "cpu")
+	ch <- prometheus.MustNewConstMetric(c.indexTiers, prometheus.GaugeValue, float64(is.DiskBlocks), "disk")
 	ch <- prometheus.MustNewConstMetric(c.indexEvents, prometheus.CounterValue, float64(is.UnknownParent), "unknown_parent")
 	ch <- prometheus.MustNewConstMetric(c.indexEvents, prometheus.CounterValue, float64(is.UnknownRemoved), "unknown_removed")
 	ch <- prometheus.MustNewConstMetric(c.indexEvents, prometheus.CounterValue, float64(is.Rejected), "rejected")

@@ -32,6 +32,13 @@ type Candidate struct {
 	// Overlap is the number of the request's leading blocks cached on the
 	// candidate, per the KV index.
 	Overlap int
+	// OverlapCPU and OverlapDisk are the blocks after those Overlap that
+	// the candidate holds in host memory or on disk (its lower KV tiers, from
+	// KV events with a CPU or disk medium): the leading run continues
+	// through them, each block counted at its best tier, and stops at the
+	// first block in no tier. Both are 0 without lower-tier events. See
+	// EffectiveOverlap.
+	OverlapCPU, OverlapDisk int
 	// TreeSize is the number of blocks indexed for the candidate (the
 	// tie-break: less cached state first).
 	TreeSize int
@@ -72,6 +79,9 @@ type Scoring struct {
 	// WantPredicted is set when the engine needs Choice.Predicted (Score:
 	// /v1/route and Engine.Score show every candidate's prediction).
 	WantPredicted bool
+	// TierWeights price the candidates' lower-tier overlap (see
+	// Candidate.EffectiveOverlap); the zero value means the defaults.
+	TierWeights TierWeights
 }
 
 // Memo returns the candidate's policy memo: a per-(endpoint, rank) slot,

@@ -101,12 +101,14 @@ func (st adminState) endpoints(w http.ResponseWriter, _ *http.Request) {
 		Decisions      int64               `json:"decisions"`
 		Health         routing.Health      `json:"health"`
 		Scraped        []routing.ModelName `json:"scraped_adapters,omitempty"`
+		// KVBlocks is what the KV index holds for it, per medium.
+		KVBlocks routing.TierBlocks `json:"kv_blocks"`
 	}
 	var rows []row
 	now := st.engine.Clock().Now()
 	for _, e := range st.engine.Endpoints() {
 		local, remote := e.InFlight.Load(), e.RemoteInFlight.Load()
-		rows = append(rows, row{e.Endpoint, local, remote, local + remote, e.Decisions.Load(), e.Health(now), e.ScrapedAdapters()})
+		rows = append(rows, row{e.Endpoint, local, remote, local + remote, e.Decisions.Load(), e.Health(now), e.ScrapedAdapters(), st.engine.TierBlocks(e)})
 	}
 	w.Header().Set("content-type", "application/json")
 	ds := st.hub.Stats()

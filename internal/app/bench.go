@@ -25,6 +25,7 @@ import (
 	"gonum.org/v1/plot/plotutil"
 	"gonum.org/v1/plot/vg"
 
+	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/sim"
 	"github.com/kvbandit/kvbandit/routing/sim/trace"
@@ -59,6 +60,7 @@ type benchOptions struct {
 	syncDelay, scrapeInterval                         time.Duration
 	objective                                         objectiveOptions
 	speedSchedule                                     string
+	tier                                              benchTier
 }
 
 func (o *benchOptions) addFlags(fs *flag.FlagSet) {
@@ -84,6 +86,7 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.syncDelay, "sync-delay", sim.DefaultSyncDelay, "--sync nats: publish-to-apply latency, in virtual time")
 	fs.DurationVar(&o.scrapeInterval, "scrape-interval", 0, "how often the workers' load reaches the engines (serve scrapes every 1s); 0: after every change")
 	o.objective.addFlags(fs)
+	o.tier.addFlags(fs)
 	a := &o.agentic
 	fs.IntVar(&a.Sessions, "sessions", 800, "agentic: number of sessions")
 	fs.Float64Var(&a.SessionRate, "session-rate", 8, "agentic: session arrivals per second (Poisson)")
@@ -129,6 +132,9 @@ func (o *benchOptions) validate() ([]float64, error) {
 		return nil, fmt.Errorf("--scrape-interval %v: want 0 to 1h", o.scrapeInterval)
 	}
 	if _, _, err := o.objective.validate(); err != nil {
+		return nil, err
+	}
+	if err := o.tier.validate(); err != nil {
 		return nil, err
 	}
 	speeds := make([]float64, o.workers)
@@ -186,14 +192,16 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	workers := make([]sim.WorkerConfig, o.workers)
 	for i := range workers {
 		workers[i] = sim.WorkerConfig{KVBlocks: o.kvBlocks, BlockSize: o.blockSize, Speed: speeds[i]}
+		o.tier.apply(&workers[i])
 	}
 	var policies *policy.Config
+	var tierWeights routing.TierWeights // zero: the defaults
 	if o.config != "" {
 		c, err := LoadConfig(o.config)
 		if err != nil {
 			return fmt.Errorf("%w: --config: %w", ErrUsage, err)
 		}
-		policies = &c.Config
+		policies, tierWeights = &c.Config, c.Router.TierWeights
 	}
 	bounds := trace.ComputeBounds(reqs, o.blockSize, o.workers*o.kvBlocks)
 	logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
@@ -201,7 +209,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	results, err := runPolicies(ctx, names, func(name string) sim.Config {
 		return sim.Config{
 			Workers: workers, Policy: name, Policies: policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger,
-			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrapeInterval,
+			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrapeInterval, TierWeights: tierWeights,
 			SLO:      slo.Config{Headroom: o.objective.headroom, Off: o.objective.off},
 			Schedule: schedule,
 		}
@@ -218,6 +226,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if o.replicas > 1 {
 		rep.Replicas, rep.Sync, rep.SyncDelaySec = o.replicas, o.sync, o.syncDelay.Seconds()
 	}
+	o.tier.report(&rep)
 	for _, r := range results {
 		rep.Policies = append(rep.Policies, summarize(r, reqs, bounds))
 	}
@@ -361,11 +370,15 @@ type benchReport struct {
 	// Replicas, Sync and SyncDelaySec are --replicas, --sync and
 	// --sync-delay, with several replicas only (one replica is the run
 	// without replicas).
-	Replicas     int             `json:"replicas,omitempty"`
-	Sync         string          `json:"sync,omitempty"`
-	SyncDelaySec float64         `json:"sync_delay_s,omitempty"`
-	Bounds       benchBounds     `json:"bounds"`
-	Policies     []policySummary `json:"policies"`
+	Replicas     int     `json:"replicas,omitempty"`
+	Sync         string  `json:"sync,omitempty"`
+	SyncDelaySec float64 `json:"sync_delay_s,omitempty"`
+	// CPUBlocks and CPUReloadTokensSec are --cpu-blocks and
+	// --cpu-reload-bandwidth, with a CPU tier only.
+	CPUBlocks          int             `json:"cpu_blocks_per_worker,omitempty"`
+	CPUReloadTokensSec float64         `json:"cpu_reload_tokens_per_s,omitempty"`
+	Bounds             benchBounds     `json:"bounds"`
+	Policies           []policySummary `json:"policies"`
 }
 
 type benchBounds struct {
@@ -387,9 +400,11 @@ type policySummary struct {
 	E2EP99          float64 `json:"e2e_p99_s"`
 	OutputTokensSec float64 `json:"output_tokens_per_s"`
 	HitRate         float64 `json:"kv_hit_rate"`
-	OfFinite        float64 `json:"hit_rate_of_finite_bound"`
-	Imbalance       float64 `json:"load_imbalance"`
-	DecisionsSec    float64 `json:"decisions_per_s"`
+	// CPUHitRate is the part of HitRate loaded back from a CPU tier.
+	CPUHitRate   float64 `json:"cpu_hit_rate,omitempty"`
+	OfFinite     float64 `json:"hit_rate_of_finite_bound"`
+	Imbalance    float64 `json:"load_imbalance"`
+	DecisionsSec float64 `json:"decisions_per_s"`
 	// Objective is the TTFT-objective attainment (--objective-ttft).
 	Objective *objectiveSummary `json:"objective,omitempty"`
 	// Affinity is the share of requests with a PrefixID hint served by
@@ -434,6 +449,7 @@ func summarize(r *sim.Result, reqs []sim.Request, b trace.Bounds) policySummary 
 		s.OutputTokensSec = float64(out) / r.Span.Seconds()
 	}
 	s.HitRate = r.HitRate()
+	s.CPUHitRate = r.CPUHitRate()
 	if b.Finite > 0 {
 		s.OfFinite = s.HitRate / b.Finite
 	}
@@ -518,6 +534,7 @@ func (rep *benchReport) print(w io.Writer) {
 	if rep.ScrapeIntervalSec > 0 {
 		fmt.Fprintf(w, "load scraped every %v\n", time.Duration(rep.ScrapeIntervalSec*float64(time.Second)))
 	}
+	fmt.Fprint(w, rep.tierLine())
 	fmt.Fprintf(w, "KV hit-rate bounds: infinite cache %.1f%%, finite cache (one LRU of %d tokens) %.1f%%\n\n",
 		100*rep.Bounds.Infinite, rep.Bounds.FiniteCapacityTokens, 100*rep.Bounds.Finite)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
@@ -535,6 +552,9 @@ func (rep *benchReport) print(w io.Writer) {
 	if synced {
 		head += "msgs/decision\t"
 	}
+	if rep.CPUBlocks > 0 {
+		head += "cpu hit\t"
+	}
 	if objectives {
 		head += objectiveColumns
 	}
@@ -551,6 +571,9 @@ func (rep *benchReport) print(w io.Writer) {
 		}
 		if synced {
 			line += fmt.Sprintf("%.2f\t", p.MessagesPerDecision)
+		}
+		if rep.CPUBlocks > 0 {
+			line += fmt.Sprintf("%.1f%%\t", 100*p.CPUHitRate)
 		}
 		if objectives {
 			line += p.Objective.cells()

@@ -199,6 +199,9 @@ type RouterConfig struct {
 	// MaxEventBlocksPerWorker caps one worker's (rank's) event-fed index
 	// blocks; beyond it, events are refused and the view is approximate.
 	MaxEventBlocksPerWorker int `json:"max_event_blocks_per_worker"`
+	// TierWeights price a cached block by its KV tier (GPU, host memory,
+	// disk) for the kv and weighted policies; see routing.TierWeights.
+	TierWeights routing.TierWeights `json:"tier_weights"`
 }
 
 // PrefixStateConfig bounds the prefix state.
@@ -222,6 +225,7 @@ func DefaultFileConfig() FileConfig {
 			MaxTreeSize: 1 << 20, PruneTargetRatio: 0.8, MaxEventBlocksPerWorker: kvindex.DefaultMaxEventEntries,
 			QueuePolicy: string(admission.PolicyFCFS), QueueMaxWaitSecs: 10,
 			TrackActiveBlocks: true, StaleRequestSecs: 300,
+			TierWeights: routing.DefaultTierWeights(),
 		},
 		Config:      policy.DefaultConfig(),
 		PrefixState: PrefixStateConfig{TTLSecs: prefixstate.DefaultTTL.Seconds(), MaxEntries: prefixstate.DefaultMaxEntries},
@@ -287,6 +291,8 @@ func (c *FileConfig) Validate() error {
 		return fmt.Errorf("router.queue_max_wait_secs: must be > 0, got %v", r.QueueMaxWaitSecs)
 	case !(r.StaleRequestSecs > 0):
 		return fmt.Errorf("router.stale_request_secs: must be > 0, got %v", r.StaleRequestSecs)
+	case r.TierWeights.Validate() != nil:
+		return fmt.Errorf("router.%w", r.TierWeights.Validate())
 	case !(c.PrefixState.TTLSecs > 0):
 		return fmt.Errorf("prefix_state.ttl_secs: must be > 0, got %v", c.PrefixState.TTLSecs)
 	case c.PrefixState.MaxEntries <= 0:
@@ -374,6 +380,7 @@ func (c *FileConfig) engineOptions(fallbacks int) routing.Options {
 			MaxEjection: secs(c.Health.MaxEjectionSecs), ScrapeFailures: c.Health.ScrapeFailures, Disabled: c.Health.Disabled,
 		},
 		AdapterRetention: secs(c.Health.AdapterRetentionSecs),
+		TierWeights:      r.TierWeights,
 		Admission: admission.Config{
 			Threshold: r.QueueThreshold,
 			Policy:    admission.Policy(r.QueuePolicy),

@@ -80,7 +80,9 @@ type Batch struct {
 	Events []kvindex.Event
 	// Ignored counts events skipped on purpose: non-main KV cache groups
 	// (group_idx != 0, or a kv_cache_spec_kind other than full or MLA
-	// attention), media other than GPU, and unknown event types.
+	// attention), media that are neither the GPU nor a CPU or disk tier
+	// (see mediumOf), and unknown event types. CPU and disk events are
+	// kept, with their kvindex.Medium.
 	Ignored int
 	// Blocks is the number of stored blocks in Events.
 	Blocks int
@@ -603,10 +605,38 @@ func containsFold(s []byte, sub string) bool {
 	return false
 }
 
-// gpuMedium reports whether an event is about the device KV cache.
-func (ev *rawEvent) gpuMedium() bool {
-	m := ev.medium
-	return len(m) == 0 || bytes.EqualFold(m, []byte("GPU")) || bytes.EqualFold(m, []byte("DEVICE"))
+// mediumOf maps an event's medium string to a tier, ignoring ASCII case;
+// ok is false for media kvbandit does not score (remote or shared stores).
+// The strings are those publishers send: vLLM "GPU" (nil when offloading is
+// off) and its OffloadingConnector's "CPU"; SGLang HiCache and Dynamo KVBM
+// "CPU_TIER1" (host memory) and "CPU_TIER2" (disk); llm-d's lower-case
+// "gpu", "cpu"; "DEVICE", "CPU_PINNED", "DISK", "NVME" and "STORAGE" as other
+// routers read them.
+func mediumOf(m []byte) (kvindex.Medium, bool) {
+	if len(m) == 0 {
+		return kvindex.MediumGPU, true
+	}
+	for _, c := range mediumNames {
+		if bytes.EqualFold(m, []byte(c.name)) {
+			return c.medium, true
+		}
+	}
+	return 0, false
+}
+
+var mediumNames = [...]struct {
+	name   string
+	medium kvindex.Medium
+}{
+	{"GPU", kvindex.MediumGPU},
+	{"DEVICE", kvindex.MediumGPU},
+	{"CPU", kvindex.MediumCPU},
+	{"CPU_TIER1", kvindex.MediumCPU},
+	{"CPU_PINNED", kvindex.MediumCPU},
+	{"CPU_TIER2", kvindex.MediumDisk},
+	{"DISK", kvindex.MediumDisk},
+	{"NVME", kvindex.MediumDisk},
+	{"STORAGE", kvindex.MediumDisk},
 }
 
 func (b *Batch) add(ev *rawEvent) error {
@@ -615,19 +645,36 @@ func (b *Batch) add(ev *rawEvent) error {
 		b.Events = append(b.Events, kvindex.Event{Kind: kvindex.Cleared})
 		return nil
 	case evRemoved:
-		if !ev.mainGroup() || !ev.gpuMedium() {
+		m, ok := mediumOf(ev.medium)
+		if !ev.mainGroup() || !ok {
 			b.Ignored++
 			return nil
 		}
-		b.Events = append(b.Events, kvindex.Event{Kind: kvindex.Removed, RemovedHashes: ev.hashes})
+		b.Events = append(b.Events, kvindex.Event{Kind: kvindex.Removed, RemovedHashes: ev.hashes, Medium: m})
 		return nil
 	case evStored:
 	default:
 		b.Ignored++
 		return nil
 	}
-	if !ev.mainGroup() || !ev.gpuMedium() {
+	m, ok := mediumOf(ev.medium)
+	if !ev.mainGroup() || !ok {
 		b.Ignored++
+		return nil
+	}
+	if m != kvindex.MediumGPU && len(ev.tokens) == 0 {
+		// Location only: vLLM's OffloadingConnector names offloaded blocks
+		// by their GPU block hashes, with no tokens, no parent and a block
+		// size of 0 (newer vLLM) or the offloaded block size.
+		if ev.blockSize < 0 || ev.blockSize > maxBlockSize {
+			return fmt.Errorf("%w: block_size %d", ErrMalformed, ev.blockSize)
+		}
+		out := kvindex.Event{Kind: kvindex.Stored, BlockSize: int(ev.blockSize), Medium: m, Blocks: make([]kvindex.StoredBlock, len(ev.hashes))}
+		for i, h := range ev.hashes {
+			out.Blocks[i] = kvindex.StoredBlock{EngineHash: h}
+		}
+		b.Events = append(b.Events, out)
+		b.Blocks += len(ev.hashes)
 		return nil
 	}
 	if ev.blockSize <= 0 || ev.blockSize > maxBlockSize {
@@ -648,6 +695,7 @@ func (b *Batch) add(ev *rawEvent) error {
 		Parent:    ev.parent,
 		LoRA:      string(ev.loraName),
 		Blocks:    make([]kvindex.StoredBlock, len(ev.hashes)),
+		Medium:    m,
 	}
 	if out.LoRA == "" && ev.hasLoRAID {
 		// Old vLLM sends only the adapter's integer id.

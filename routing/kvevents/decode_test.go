@@ -136,7 +136,7 @@ func TestDecodeIgnoresOtherGroupsAndMedia(t *testing.T) {
 	batch := []any{1.0, []any{
 		[]any{"BlockStored", []any{1}, nil, anyInts(tk), 4, nil, "GPU", nil, nil, 1, "full_attention"},
 		[]any{"BlockStored", []any{1}, nil, anyInts(tk), 4, nil, "GPU", nil, nil, 0, "sliding_window", 128},
-		[]any{"BlockStored", []any{1}, nil, anyInts(tk), 4, nil, "CPU"},
+		[]any{"BlockStored", []any{1}, nil, anyInts(tk), 4, nil, "EXTERNAL"},
 		[]any{"BlockRemoved", []any{1}, "GPU", 2},
 		[]any{"BlockStored", []any{1}, nil, anyInts(tk), 4, nil, "GPU", nil, nil, 0, "mla_attention"},
 	}, 0}
@@ -189,6 +189,21 @@ func FuzzDecode(f *testing.F) {
 	tk := toks(8, 120)
 	f.Add(frames(f, 3, []any{1.0, []any{storedArray([]any{1, 2}, 9, tk, 4), []any{"BlockRemoved", []any{1}, "GPU"}, []any{"AllBlocksCleared"}}, 1})[2])
 	f.Add(frames(f, 3, map[string]any{"ts": 1.0, "events": []any{map[string]any{"type": "BlockStored", "block_hashes": []any{[]byte("0123456789abcdef0123456789abcdef")}, "token_ids": anyInts(tk[:4]), "block_size": 4}}})[2])
+	// Media: vLLM offloading (CPU, no tokens), HiCache/KVBM tiers, an
+	// unscored medium, and a medium string at the length limit.
+	f.Add(frames(f, 4, []any{1.0, []any{
+		[]any{"BlockStored", []any{[]byte("0123456789abcdef0123456789abcdef")}, nil, []any{}, 0, nil, "CPU", nil, nil, 0, nil, nil},
+		[]any{"BlockStored", []any{3, 4}, nil, []any{}, 48, nil, "CPU", nil},
+		[]any{"BlockRemoved", []any{3}, "CPU"},
+		storedArray([]any{5}, nil, tk[:4], 4)[:6:6],
+	}, 0})[2])
+	f.Add(frames(f, 5, map[string]any{"ts": 1.0, "events": []any{
+		map[string]any{"type": "BlockStored", "block_hashes": []any{7}, "token_ids": anyInts(tk[:4]), "block_size": 4, "medium": "CPU_TIER1"},
+		map[string]any{"type": "BlockStored", "block_hashes": []any{8}, "parent_block_hash": 7, "token_ids": anyInts(tk[4:]), "block_size": 4, "medium": "CPU_TIER2"},
+		map[string]any{"type": "BlockRemoved", "block_hashes": []any{8}, "medium": "disk"},
+		map[string]any{"type": "BlockRemoved", "block_hashes": []any{7}, "medium": "REMOTE"},
+		map[string]any{"type": "BlockStored", "block_hashes": []any{9}, "token_ids": []any{}, "block_size": 70000, "medium": string(make([]byte, MaxStringBytes))},
+	}})[2])
 	f.Fuzz(func(t *testing.T, payload []byte) {
 		before := heapAllocs()
 		b, err := Decode([][]byte{[]byte("kv"), seqFrame(1), payload})
@@ -202,7 +217,13 @@ func FuzzDecode(f *testing.F) {
 			return
 		}
 		for _, ev := range b.Events {
+			if ev.Medium > kvindex.MediumDisk || ev.BlockSize < 0 || ev.BlockSize > maxBlockSize {
+				t.Fatalf("medium %v, block size %d", ev.Medium, ev.BlockSize)
+			}
 			for _, blk := range ev.Blocks {
+				if ev.Medium != kvindex.MediumGPU && blk.Tokens == nil {
+					continue // location only
+				}
 				if len(blk.Tokens) != ev.BlockSize {
 					t.Fatalf("block of %d tokens, block size %d", len(blk.Tokens), ev.BlockSize)
 				}
@@ -239,5 +260,76 @@ func TestDecodeZeroParentIsNoParent(t *testing.T) {
 	}
 	if len(b.Events) != 2 || b.Events[0].HasParent || !b.Events[1].HasParent || b.Events[1].Parent != 7 {
 		t.Fatalf("got %+v", b.Events)
+	}
+}
+
+// The media publishers send: vLLM's OffloadingConnector (array_like, no
+// tokens, no parent, block size 0 in newer vLLM or the offloaded block size,
+// sha256 byte hashes), SGLang HiCache / Dynamo KVBM (CPU_TIER1 and CPU_TIER2
+// with tokens, map encoding), llm-d's lower case, and a medium nobody
+// scores.
+func TestDecodeMedia(t *testing.T) {
+	t.Parallel()
+	tk := toks(4, 0)
+	h := make([]byte, 32)
+	h[31] = 9
+	batch := []any{1.0, []any{
+		[]any{"BlockStored", []any{h}, nil, []any{}, 0, nil, "CPU", nil, nil, 0, nil, nil},
+		[]any{"BlockStored", []any{5, 6}, nil, []any{}, 48, nil, "CPU", nil},
+		[]any{"BlockRemoved", []any{5}, "CPU"},
+		map[string]any{"type": "BlockStored", "block_hashes": []any{7}, "parent_block_hash": nil, "token_ids": anyInts(tk), "block_size": 4, "medium": "CPU_TIER1"},
+		map[string]any{"type": "BlockStored", "block_hashes": []any{8}, "parent_block_hash": 7, "token_ids": anyInts(tk), "block_size": 4, "medium": "CPU_TIER2"},
+		map[string]any{"type": "BlockRemoved", "block_hashes": []any{8}, "medium": "cpu_tier2"},
+		[]any{"BlockStored", []any{1}, nil, anyInts(tk), 4, nil, "gpu", nil},
+		[]any{"BlockRemoved", []any{1}, "REMOTE"},
+	}, 0}
+	b, err := Decode(frames(t, 1, batch))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.Ignored != 1 {
+		t.Errorf("ignored %d, want 1 (the REMOTE removal)", b.Ignored)
+	}
+	type got struct {
+		kind   kvindex.EventKind
+		medium kvindex.Medium
+		bs     int
+		blocks int
+		tokens int
+	}
+	var gs []got
+	for _, ev := range b.Events {
+		g := got{kind: ev.Kind, medium: ev.Medium, bs: ev.BlockSize, blocks: len(ev.Blocks) + len(ev.RemovedHashes)}
+		for _, bl := range ev.Blocks {
+			g.tokens += len(bl.Tokens)
+		}
+		gs = append(gs, g)
+	}
+	want := []got{
+		{kvindex.Stored, kvindex.MediumCPU, 0, 1, 0},
+		{kvindex.Stored, kvindex.MediumCPU, 48, 2, 0},
+		{kvindex.Removed, kvindex.MediumCPU, 0, 1, 0},
+		{kvindex.Stored, kvindex.MediumCPU, 4, 1, 4},
+		{kvindex.Stored, kvindex.MediumDisk, 4, 1, 4},
+		{kvindex.Removed, kvindex.MediumDisk, 0, 1, 0},
+		{kvindex.Stored, kvindex.MediumGPU, 4, 1, 4},
+	}
+	if d := cmp.Diff(want, gs, cmp.AllowUnexported(got{})); d != "" {
+		t.Errorf("events (-want +got):\n%s", d)
+	}
+	// The sha256 hash becomes the xxh3-64 of its bytes, as on the GPU.
+	if b.Events[0].Blocks[0].EngineHash != xxh3.Hash(h) {
+		t.Errorf("byte hash %x, want xxh3 of the digest", b.Events[0].Blocks[0].EngineHash)
+	}
+	// A GPU event still needs its tokens, and a lower-tier block size is
+	// still bounded.
+	for name, ev := range map[string][]any{
+		"gpu without tokens":    {"BlockStored", []any{1}, nil, []any{}, 4, nil, "GPU", nil},
+		"negative cpu bs":       {"BlockStored", []any{1}, nil, []any{}, -1, nil, "CPU", nil},
+		"cpu tokens mismatched": {"BlockStored", []any{1}, nil, anyInts(toks(3, 0)), 4, nil, "CPU", nil},
+	} {
+		if _, err := Decode(frames(t, 1, []any{1.0, []any{ev}, 0})); !errors.Is(err, ErrMalformed) {
+			t.Errorf("%s: err = %v, want ErrMalformed", name, err)
+		}
 	}
 }

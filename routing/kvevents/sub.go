@@ -466,6 +466,10 @@ func (s *Sub) apply(rank int, ev kvindex.Event) {
 		s.c.unknownParent.Add(1)
 	case errors.Is(err, kvindex.ErrUnknownBlock):
 		s.c.unknownBlock.Add(1)
+	case errors.Is(err, kvindex.ErrTierFull):
+		// A lower tier (CPU, disk) over its caps: that tier's view is
+		// incomplete, the GPU's stays exact.
+		s.c.indexLimit.Add(1)
 	case errors.Is(err, kvindex.ErrWorkerFull), errors.Is(err, kvindex.ErrTooManyBlockSizes):
 		// Blocks the worker holds are missing from the index: its view
 		// is approximate until it clears or restarts.

@@ -67,6 +67,18 @@
 // second they were inserted in, compacted when stale items outnumber live
 // entries. BenchmarkIndexMemory reports bytes per (block, worker) entry.
 //
+// # Lower tiers
+//
+// Events whose [Event.Medium] is host memory or disk (vLLM's
+// OffloadingConnector, SGLang HiCache, Dynamo KVBM, LMCache) are kept per
+// worker, apart from the GPU's shared table: per medium and block size, a
+// map engine hash → key and the set of keys held. [Index.TierOverlap]
+// continues a worker's GPU run through them; it takes that worker's tier
+// read lock and costs a map lookup per block walked, so it is cheap only
+// while few workers hold long prompts in lower tiers (BenchmarkPickTiers
+// measures the worst case). Location-only events (no tokens) name blocks
+// by the engine hashes the GPU reported for them.
+//
 // Everything is bounded, since KV events come from peers kvbandit cannot
 // authenticate: approximate entries by MaxEntries (pruned), each worker's
 // event-fed blocks by MaxEventEntries (further blocks refused with

@@ -52,6 +52,10 @@ type Event struct {
 	RemovedHashes []uint64
 	// LoRA and Namespace salt the block keys (see [Seed]).
 	LoRA, Namespace string
+	// Medium is the tier a Stored or Removed event speaks of; the zero
+	// value is the GPU. Lower-tier events feed [Index.TierOverlap] and
+	// may carry no tokens (see Apply).
+	Medium Medium
 }
 
 // Apply applies one KV event of worker w:
@@ -72,8 +76,18 @@ type Event struct {
 //     indexed for w are counted and reported with ErrUnknownBlock after the
 //     others are applied (common right after the router subscribes, so
 //     callers usually count rather than log it).
-//   - Cleared drops every entry of w, approximate ones included; w stays
-//     registered.
+//   - Cleared drops every entry of w, approximate ones and lower tiers
+//     included; w stays registered.
+//   - Stored and Removed with a lower Medium (CPU, disk) update w's blocks
+//     of that medium, kept apart from the GPU's and capped separately at
+//     MaxEventEntries per medium (ErrTierFull past it) and WorkerBlockSizes.
+//     A Stored event with tokens is keyed like a GPU one (its parent found
+//     in that medium or the GPU); one without tokens, as vLLM's
+//     OffloadingConnector sends, names blocks by the engine hashes the GPU
+//     reported for them: their keys come from w's GPU engine maps (hashes
+//     not there are reported with ErrUnknownBlock), and an event block
+//     size that is a multiple k of the GPU's means each block covers k GPU
+//     blocks and is named by the last.
 //
 // Events of one worker must be applied in the order the engine emitted
 // them, so feed each worker from one goroutine; events of different
@@ -88,6 +102,13 @@ func (ix *Index) Apply(w WorkerID, ev Event) error {
 	defer wk.mu.Unlock()
 	if wk.removed.Load() {
 		return fmt.Errorf("%w: %d (endpoint %s removed)", ErrUnknownWorker, w, wk.endpoint)
+	}
+	if ev.Medium >= numMedia {
+		ix.rejected.Add(1)
+		return fmt.Errorf("%w: medium %v", ErrInvalidEvent, ev.Medium)
+	}
+	if ev.Medium != MediumGPU && ev.Kind != Cleared {
+		return ix.applyLower(wk, &ev)
 	}
 	switch ev.Kind {
 	case Stored:

@@ -106,6 +106,11 @@ var (
 	// index) would go over WorkerBlockSizes (or MaxBlockSizes); the event
 	// or approximate insert was rejected.
 	ErrTooManyBlockSizes = errors.New("kvindex: too many block sizes")
+	// ErrTierFull: a lower-tier (CPU, disk) Stored event would take the
+	// worker's blocks of that medium over MaxEventEntries, or its block
+	// sizes on that medium over WorkerBlockSizes; the blocks before the
+	// first that did not fit were applied. The GPU view is unaffected.
+	ErrTierFull = errors.New("kvindex: worker's lower-tier blocks at their cap")
 )
 
 // Index maps chained block keys (see [AppendBlockKeys]) to the workers whose
@@ -137,6 +142,7 @@ type Index struct {
 	pruned         atomic.Uint64
 	overCapacity   atomic.Uint64
 	blockSizes     atomic.Uint64
+	tierEntries    [numMedia]atomic.Int64 // lower-tier engine hashes per medium
 
 	approx approxState
 }
@@ -160,6 +166,13 @@ type worker struct {
 	// holds a reference to its block size's space (space.users).
 	engine map[int]map[uint64]uint64
 	hashes int // engine hashes over all of engine's maps, <= maxEventEntries
+
+	// The lower tiers (host memory, disk): written under mu and tmu, read
+	// by TierOverlap under tmu's read lock. tierSize counts their engine
+	// hashes per medium, for a lock-free "none" on the hot path.
+	tmu      sync.RWMutex
+	tiers    tierState
+	tierSize [numMedia]atomic.Int64
 }
 
 // space is the key space of one block size. A space is made on first
@@ -554,6 +567,9 @@ type Stats struct {
 	// for a block size over WorkerBlockSizes or MaxBlockSizes.
 	TooManyBlockSizes uint64
 	Spaces            int // key spaces (block sizes) alive
+	// CPUBlocks and DiskBlocks are the lower-tier blocks (engine hashes)
+	// over all workers, from events with a CPU or disk medium.
+	CPUBlocks, DiskBlocks int64
 }
 
 // Stats returns current sizes and counters. Blocks is summed shard by
@@ -573,6 +589,8 @@ func (ix *Index) Stats() Stats {
 		Pruned:            ix.pruned.Load(),
 		OverCapacity:      ix.overCapacity.Load(),
 		TooManyBlockSizes: ix.blockSizes.Load(),
+		CPUBlocks:         ix.tierEntries[MediumCPU].Load(),
+		DiskBlocks:        ix.tierEntries[MediumDisk].Load(),
 	}
 	sps := *ix.spaces.Load()
 	st.Spaces = len(sps)
@@ -635,5 +653,6 @@ func (ix *Index) clear(wk *worker) {
 		ix.releaseSpace(sp)
 	}
 	wk.engine, wk.hashes = nil, 0
+	ix.clearTiers(wk)
 	ix.purgeApprox(wk)
 }

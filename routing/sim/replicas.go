@@ -151,7 +151,7 @@ func (s *simulation) newReplica(cfg *Config, i, blockSize int) (*replica, error)
 		deps.OnFirst = func(d *routing.Decision) { s.shareFirst(r, d) }
 		deps.OnDone = func(d *routing.Decision, o routing.Outcome) { s.shareDone(r, d, o) }
 	}
-	eng, err := routing.NewEngine(pol, routing.Options{BlockSize: blockSize, SyncIndex: true, StaleAfter: staleAfter}, deps)
+	eng, err := routing.NewEngine(pol, routing.Options{BlockSize: blockSize, SyncIndex: true, StaleAfter: staleAfter, TierWeights: cfg.TierWeights}, deps)
 	if err != nil {
 		r.shut()
 		return nil, fmt.Errorf("sim: %w", err)

@@ -42,6 +42,15 @@ type WorkerConfig struct {
 	// Decode is the time of a decode-only step at KV utilisation kvUtil
 	// (default MockerDecode).
 	Decode func(kvUtil float64) time.Duration
+	// CPUBlocks is the size of the worker's host-memory KV tier in blocks
+	// (0: none). Blocks the GPU evicts move there (LRU), published as KV
+	// events with medium CPU as vLLM's OffloadingConnector does; a request
+	// whose next blocks are there loads them back at CPUReloadTokensPerSec
+	// before its prefill instead of recomputing them.
+	CPUBlocks int
+	// CPUReloadTokensPerSec is the CPU tier's reload bandwidth in prompt
+	// tokens per second (default DefaultCPUReloadTokensPerSec).
+	CPUReloadTokensPerSec float64
 }
 
 // Change is a schedule entry: at At, worker Worker's speed becomes Speed.
@@ -63,6 +72,9 @@ type Config struct {
 	KVEvents        bool           // true: workers' KV events feed the engine's index (exact, trusted); false: approximate index only
 	Seed            int64
 	Logger          *slog.Logger
+	// TierWeights price the workers' CPU-tier hits for the policies
+	// (zero: routing.DefaultTierWeights).
+	TierWeights routing.TierWeights
 
 	// Replicas is the number of pickers: independent engines (same policy
 	// and options, each its own random source, prefix store and index)
@@ -101,7 +113,10 @@ type ReqResult struct {
 	// Predicted is the policy's predicted TTFT at the decision (0 when
 	// the policy does not predict).
 	Predicted time.Duration
-	Err       string
+	// CPUCachedTokens are the CachedTokens loaded back from the worker's
+	// CPU tier.
+	CPUCachedTokens int
+	Err             string
 }
 
 // QueueSample is every worker's waiting and running requests at At.
@@ -115,8 +130,9 @@ type WorkerResult struct {
 	Requests int           // requests routed to it
 	Busy     time.Duration // virtual time spent in steps
 	// PrefillTokens are the prompt tokens it computed; CachedTokens those
-	// it found in its cache.
-	PrefillTokens, CachedTokens int
+	// it found in its cache, CPUCachedTokens those of them loaded back
+	// from its CPU tier.
+	PrefillTokens, CachedTokens, CPUCachedTokens int
 }
 
 // Result is the outcome of a run.
@@ -174,6 +190,22 @@ func (r *Result) HitRate() float64 {
 	return float64(c) / float64(p)
 }
 
+// CPUHitRate is the fraction of served prompt tokens loaded back from a
+// worker's CPU tier (a part of HitRate).
+func (r *Result) CPUHitRate() float64 {
+	var p, c int
+	for _, q := range r.Requests {
+		if q.Err == "" {
+			p += q.PromptTokens
+			c += q.CPUCachedTokens
+		}
+	}
+	if p == 0 {
+		return 0
+	}
+	return float64(c) / float64(p)
+}
+
 // Configuration errors.
 var (
 	ErrNoWorkers      = errors.New("sim: no workers")
@@ -198,6 +230,13 @@ func (c WorkerConfig) withDefaults(i int) (WorkerConfig, error) {
 		return c, bad("negative MaxBatchedTokens", c.MaxBatchedTokens)
 	case c.Speed < 0 || math.IsNaN(c.Speed) || math.IsInf(c.Speed, 0):
 		return c, bad("speed must be > 0, got", c.Speed)
+	case c.CPUBlocks < 0:
+		return c, bad("negative CPUBlocks", c.CPUBlocks)
+	case c.CPUReloadTokensPerSec < 0 || math.IsNaN(c.CPUReloadTokensPerSec) || math.IsInf(c.CPUReloadTokensPerSec, 0):
+		return c, bad("CPU reload bandwidth must be > 0, got", c.CPUReloadTokensPerSec)
+	}
+	if c.CPUReloadTokensPerSec == 0 {
+		c.CPUReloadTokensPerSec = DefaultCPUReloadTokensPerSec
 	}
 	if c.KVBlocks == 0 {
 		c.KVBlocks = DefaultKVBlocks
@@ -416,6 +455,7 @@ func (s *simulation) finished(a *active, at time.Duration) {
 	rr.TTFT = a.firstAt - a.req.Arrival
 	rr.E2E = at - a.req.Arrival
 	rr.CachedTokens = a.cached
+	rr.CPUCachedTokens = a.cpuCached
 	rr.OutputTokens = a.generated
 	s.lastDone = max(s.lastDone, at)
 	s.open[a.idx] = nil
@@ -586,6 +626,7 @@ func (s *simulation) abandon() {
 		rr := &s.res.Requests[i]
 		rr.Err = "not finished: worker stopped"
 		rr.CachedTokens, rr.OutputTokens = a.cached, a.generated
+		rr.CPUCachedTokens = a.cpuCached
 		if a.generated > 0 {
 			rr.TTFT = a.firstAt - a.req.Arrival
 		}

@@ -44,6 +44,7 @@ type active struct {
 	prompt    int
 	computed  int // prompt tokens in the KV cache (cached + prefilled)
 	cached    int // prompt tokens found in the cache at admission
+	cpuCached int // of which loaded back from the CPU tier
 	generated int
 	firstAt   time.Duration
 	// Step plan: chunk is the prompt tokens prefilled in the current step;
@@ -98,15 +99,26 @@ type worker struct {
 	onFinish func(a *active, at time.Duration)
 
 	stored []kvindex.StoredBlock
+
+	// cpu is the host-memory tier (nil: none); reload is the load time of
+	// the requests admitted into the step being planned.
+	cpu        *cpuCache
+	reload     time.Duration
+	cpuStored  []kvindex.StoredBlock
+	cpuDropped []uint64
 }
 
 func newWorker(cfg WorkerConfig) *worker {
-	return &worker{
+	w := &worker{
 		cfg:       cfg,
 		speed:     cfg.Speed,
 		cache:     newKVCache(cfg.KVBlocks),
 		capTokens: float64(cfg.KVBlocks) * float64(cfg.BlockSize),
 	}
+	if cfg.CPUBlocks > 0 {
+		w.cpu = newCPUCache(cfg.CPUBlocks)
+	}
+	return w
 }
 
 // blocksFor is the blocks a request reserves: its prompt and its output.
@@ -180,6 +192,7 @@ func (w *worker) startStep(now time.Duration) bool {
 	}
 	budget := w.cfg.MaxBatchedTokens
 	newTokens, decoders, minLeft := 0, 0, math.MaxInt
+	w.reload = 0
 	for _, a := range w.running {
 		a.chunk, a.decoding = 0, false
 		if a.computed < a.prompt {
@@ -215,7 +228,9 @@ func (w *worker) startStep(now time.Duration) bool {
 	switch {
 	case newTokens > 0:
 		w.kind, w.steps = stepPrefill, 1
-		w.end = now + time.Duration(float64(w.cfg.Prefill(newTokens))/w.speed)
+		// Blocks loaded back from the CPU tier for the requests admitted
+		// now are copied before the step's prefill (a synchronous load).
+		w.end = now + time.Duration(float64(w.cfg.Prefill(newTokens))/w.speed) + w.reload
 		w.stats.PrefillTokens += newTokens
 	case decoders > 0:
 		w.kind = stepDecode
@@ -241,7 +256,8 @@ func (w *worker) admit(a *active) bool {
 	if a.keys == nil {
 		a.keys = kvindex.AppendBlockKeys(make([]uint64, 0, len(a.req.Tokens)/bs), a.req.Tokens, bs, kvindex.BaseSeed)
 	}
-	hit := min(w.cache.prefix(a.keys), (a.prompt-1)/bs)
+	limit := (a.prompt - 1) / bs
+	hit := min(w.cache.prefix(a.keys), limit)
 	need := w.blocksFor(a.req) - hit
 	if !w.cache.canAllocate(a.keys[:hit], need) {
 		return false
@@ -250,13 +266,22 @@ func (w *worker) admit(a *active) bool {
 	for _, k := range a.keys[:hit] {
 		a.slots = append(a.slots, w.cache.acquire(k))
 	}
+	cpuHit := w.cpuHits(a, hit, limit)
 	w.cache.allocate(need)
 	a.anon = need
-	a.computed = hit * bs
+	// Evictions are published before the reloaded blocks are stored: a
+	// reloaded block may have been evicted from the GPU just now.
+	w.flushEvicted()
+	if cpuHit > 0 {
+		w.reloaded(a, hit, hit+cpuHit)
+	}
+	a.computed = (hit + cpuHit) * bs
 	a.cached = a.computed
+	a.cpuCached = cpuHit * bs
+	w.reload += w.reloadTime(a.cpuCached)
 	w.activeTokens += a.computed
 	w.stats.CachedTokens += a.cached
-	w.flushEvicted()
+	w.stats.CPUCachedTokens += a.cpuCached
 	if w.onAdmit != nil {
 		w.onAdmit(a)
 	}
@@ -267,7 +292,10 @@ func (w *worker) flushEvicted() {
 	if len(w.cache.evicted) == 0 {
 		return
 	}
-	if w.onEvent != nil {
+	switch {
+	case w.cpu != nil:
+		w.offload(w.cache.evicted)
+	case w.onEvent != nil:
 		w.onEvent(kvindex.Event{Kind: kvindex.Removed, BlockSize: w.cfg.BlockSize, RemovedHashes: w.cache.evicted})
 	}
 	w.cache.evicted = w.cache.evicted[:0]

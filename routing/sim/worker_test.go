@@ -16,8 +16,8 @@ type rig struct {
 	now   time.Duration
 	steps []stepKind // kinds of the steps that ended
 	done  []*active
-	// cached mirrors the cache from the KV events alone.
-	cached map[uint64]bool
+	// cached mirrors the cache from the KV events alone, cpu the CPU tier.
+	cached, cpu map[uint64]bool
 	// check runs after every step.
 	check func()
 }
@@ -28,9 +28,13 @@ func newRig(t *testing.T, wc WorkerConfig) *rig {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &rig{t: t, w: newWorker(wc), cached: map[uint64]bool{}}
+	r := &rig{t: t, w: newWorker(wc), cached: map[uint64]bool{}, cpu: map[uint64]bool{}}
 	r.w.onFinish = func(a *active, _ time.Duration) { r.done = append(r.done, a) }
 	r.w.onEvent = func(ev kvindex.Event) {
+		if ev.Medium == kvindex.MediumCPU {
+			r.cpuEvent(ev)
+			return
+		}
 		switch ev.Kind {
 		case kvindex.Stored:
 			if ev.HasParent && !r.cached[ev.Parent] {
@@ -55,6 +59,30 @@ func newRig(t *testing.T, wc WorkerConfig) *rig {
 		}
 	}
 	return r
+}
+
+// cpuEvent checks a CPU tier event as vLLM's offloading sends them: a
+// location-only store of blocks the GPU still holds, a removal of held ones.
+func (r *rig) cpuEvent(ev kvindex.Event) {
+	t := r.t
+	switch ev.Kind {
+	case kvindex.Stored:
+		for _, b := range ev.Blocks {
+			if b.Tokens != nil || !r.cached[b.EngineHash] || r.cpu[b.EngineHash] {
+				t.Errorf("cpu store of %x: tokens %d, on gpu %v, on cpu %v", b.EngineHash, len(b.Tokens), r.cached[b.EngineHash], r.cpu[b.EngineHash])
+			}
+			r.cpu[b.EngineHash] = true
+		}
+	case kvindex.Removed:
+		for _, h := range ev.RemovedHashes {
+			if !r.cpu[h] {
+				t.Errorf("cpu removal of unknown block %x", h)
+			}
+			delete(r.cpu, h)
+		}
+	default:
+		t.Errorf("cpu event %v", ev.Kind)
+	}
 }
 
 func (r *rig) req(at time.Duration, tokens []uint32, out int) *active {

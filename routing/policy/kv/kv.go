@@ -63,10 +63,18 @@ func New(cfg Config) (*Policy, error) {
 func (*Policy) Name() string { return Name }
 
 // Cost is Dynamo's cost for one candidate (lower is better):
-// w·(active_prefill_tokens + max(ISL − overlap·B, 0))/B + active_blocks + new_blocks.
+// w·(active_prefill_tokens + max(ISL − overlap·B, 0))/B + active_blocks + new_blocks,
+// with lower-tier blocks at the default tier weights (see TieredCost).
 func Cost(w float64, isl, blockSize int, c *routing.Candidate) float64 {
+	return TieredCost(w, isl, blockSize, c, routing.TierWeights{})
+}
+
+// TieredCost is Cost where overlap is the candidate's effective overlap at
+// tiers: GPU blocks, plus CPU and disk blocks at their weights (the GPU
+// overlap when no lower tier is known, at a GPU weight of 1).
+func TieredCost(w float64, isl, blockSize int, c *routing.Candidate, tiers routing.TierWeights) float64 {
 	b := float64(max(blockSize, 1))
-	prefill := float64(c.ActivePrefillTokens) + float64(max(isl-c.Overlap*blockSize, 0))
+	prefill := float64(c.ActivePrefillTokens) + max(float64(isl)-c.EffectiveOverlap(tiers)*float64(blockSize), 0)
 	return w*prefill/b + float64(c.ActiveBlocks) + float64(c.NewBlocks)
 }
 
@@ -75,7 +83,7 @@ func Cost(w float64, isl, blockSize int, c *routing.Candidate) float64 {
 func (p *Policy) Choose(s *routing.Scoring, _ bool) (routing.Choice, error) {
 	costs := make([]float64, len(s.Candidates))
 	for i := range s.Candidates {
-		costs[i] = Cost(p.cfg.OverlapScoreWeight, s.ISL, s.BlockSize, &s.Candidates[i])
+		costs[i] = TieredCost(p.cfg.OverlapScoreWeight, s.ISL, s.BlockSize, &s.Candidates[i], s.TierWeights)
 	}
 	idx := Select(costs, s.Candidates, p.cfg.Temperature, s.Rand)
 	ch := routing.Choice{Index: idx, Scores: costs}

@@ -90,3 +90,25 @@ func TestValidate(t *testing.T) {
 		}
 	}
 }
+
+// A CPU hit is cheaper than a miss and dearer than a GPU hit: 4 blocks in
+// host memory at weight 0.8 save 0.8 of their prefill.
+func TestCostCountsLowerTiers(t *testing.T) {
+	gpu := cand(4, 0, 0, 0, 0)
+	cpu := cand(0, 0, 0, 0, 0)
+	cpu.OverlapCPU = 4
+	miss := cand(0, 0, 0, 0, 0)
+	w := routing.TierWeights{GPU: 1, CPU: 0.8, Disk: 0.25}
+	g, c, m := TieredCost(1, 128, 16, &gpu, w), TieredCost(1, 128, 16, &cpu, w), TieredCost(1, 128, 16, &miss, w)
+	if g != 4 || math.Abs(c-4.8) > 1e-12 || m != 8 {
+		t.Fatalf("gpu %v cpu %v miss %v, want 4, 4.8, 8", g, c, m)
+	}
+	if d := Cost(1, 128, 16, &cpu); d != c {
+		t.Fatalf("Cost uses the default weights: %v, want %v", d, c)
+	}
+	p, _ := New(DefaultConfig())
+	ch, _ := p.Choose(&routing.Scoring{BlockSize: 16, ISL: 128, Candidates: []routing.Candidate{miss, cpu}, Rand: routing.NewRand(1), TierWeights: w}, true)
+	if ch.Index != 1 {
+		t.Fatalf("chose %d, want the CPU hit", ch.Index)
+	}
+}

@@ -153,7 +153,7 @@ func Signals(s *routing.Scoring) []Signal {
 	for i := range cands {
 		c, sig := &cands[i], &out[i]
 		if total > 0 {
-			sig.Prefix = min(1, float64(max(c.Overlap, 0))/float64(total))
+			sig.Prefix = min(1, max(c.EffectiveOverlap(s.TierWeights), 0)/float64(total))
 		}
 		if sig.Saturated {
 			continue

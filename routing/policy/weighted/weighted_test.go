@@ -248,3 +248,24 @@ func TestValidate(t *testing.T) {
 		t.Fatalf("one positive weight refused: %v", err)
 	}
 }
+
+// TestPrefixCountsLowerTiers: the prefix signal is the effective overlap,
+// so 8 CPU blocks at weight 0.8 score as 6.4 GPU blocks, and 8 disk blocks
+// at 0.25 as 2.
+func TestPrefixCountsLowerTiers(t *testing.T) {
+	cpu, disk := fresh(0, 3, 0.4), fresh(2, 3, 0.4)
+	cpu.OverlapCPU = 8
+	disk.OverlapDisk = 8
+	s := scoring(10, 1, fresh(5, 3, 0.4), cpu, disk)
+	sig := Signals(s)
+	if !near(sig[1].Prefix, 0.64) || !near(sig[2].Prefix, 0.4) || !near(sig[0].Prefix, 0.5) {
+		t.Fatalf("prefix signals %v %v %v, want 0.5 0.64 0.4", sig[0].Prefix, sig[1].Prefix, sig[2].Prefix)
+	}
+	if ch := choose(t, DefaultConfig(), s); ch.Index != 1 {
+		t.Fatalf("chose %d, want the CPU hit", ch.Index)
+	}
+	s.TierWeights = routing.TierWeights{GPU: 1, CPU: 0.5, Disk: 0.25}
+	if ch := choose(t, DefaultConfig(), s); ch.Index != 0 {
+		t.Fatalf("with cpu weight 0.5 chose %d, want the 5 GPU blocks", ch.Index)
+	}
+}
