@@ -86,15 +86,17 @@ type Features struct {
 	KVUsage float64
 }
 
-// FromCandidate returns the features of a request of isl tokens on c.
-func FromCandidate(c *routing.Candidate, isl, blockSize int) Features {
+// FromCandidate returns the features of a request of isl tokens on c. Its
+// cached blocks are c's effective overlap under w: a block in host memory or
+// on disk counts as a share of a GPU hit (routing.TierWeights).
+func FromCandidate(c *routing.Candidate, isl, blockSize int, w routing.TierWeights) Features {
 	running := float64(c.InFlight())
 	if c.Load.Known && !c.Load.Stale {
 		running = c.Load.Running
 	}
 	return Features{
 		Queued:   c.ActivePrefillTokens,
-		Uncached: max(isl-c.Overlap*max(blockSize, 1), 0),
+		Uncached: max(isl-int(c.EffectiveOverlap(w)*float64(max(blockSize, 1))), 0),
 		Running:  running,
 		Waiting:  c.Load.Waiting,
 		KVUsage:  c.Load.KVUsage,

@@ -308,12 +308,12 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 	// prefill time (ms) in ttft.
 	unit := 1.0
 	ttft := p.cfg.Cost == CostTTFT
-	maxOverlap := 0
+	maxOverlap := 0.0
 	if ttft {
 		k := p.model.Coefficients()
 		unit = max(k.PerBatch, 0) * float64(bs) / float64(p.cfg.Latency.BatchTokens)
 		for i := range s.Candidates {
-			maxOverlap = max(maxOverlap, s.Candidates[i].Overlap)
+			maxOverlap = max(maxOverlap, s.Candidates[i].EffectiveOverlap(s.TierWeights))
 		}
 	}
 	for i := range s.Candidates {
@@ -321,9 +321,9 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 		f := p.model.Draw(c, rng, !placing)
 		var cost float64
 		if ttft {
-			e := p.model.Estimate(latency.FromCandidate(c, s.ISL, bs))
+			e := p.model.Estimate(latency.FromCandidate(c, s.ISL, bs, s.TierWeights))
 			cost = f*e.Total + p.cfg.ImpactWeight*e.Running*f*e.Own +
-				p.cfg.RecomputeWeight*unit*float64(maxOverlap-c.Overlap)
+				p.cfg.RecomputeWeight*unit*(maxOverlap-c.EffectiveOverlap(s.TierWeights))
 		} else {
 			cost = f*p.cfg.OverlapScoreWeight*prefillBlocks(s, c) + p.cfg.DecodeWeight*float64(c.ActiveBlocks+int64(c.NewBlocks))
 		}
@@ -340,7 +340,7 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 	if commit && hasSess && p.prefixes != nil {
 		p.prefixes.Pin(s.Req, c.Key(), c.DPRank, sess.Reuse, float64(sess.Reuse)*(promptBlocks+outputBlocks(s.Req, bs)))
 	}
-	feat := latency.FromCandidate(c, s.ISL, bs)
+	feat := latency.FromCandidate(c, s.ISL, bs, s.TierWeights)
 	ch := routing.Choice{Index: idx, Scores: costs, Sticky: hasSess && sess.Last != "" && sess.Last == c.Key()}
 	if s.WantPredicted {
 		ch.Predicted = p.Predict(s)
@@ -362,7 +362,7 @@ func (p *Policy) Predict(s *routing.Scoring) []routing.Prediction {
 	out := make([]routing.Prediction, len(s.Candidates))
 	for i := range s.Candidates {
 		c := &s.Candidates[i]
-		out[i] = p.model.Predict(c, latency.FromCandidate(c, s.ISL, s.BlockSize))
+		out[i] = p.model.Predict(c, latency.FromCandidate(c, s.ISL, s.BlockSize, s.TierWeights))
 	}
 	return out
 }
@@ -371,7 +371,7 @@ func (p *Policy) Predict(s *routing.Scoring) []routing.Prediction {
 // in-flight prefill plus the request's uncached tokens, in blocks.
 func prefillBlocks(s *routing.Scoring, c *routing.Candidate) float64 {
 	bs := max(s.BlockSize, 1)
-	return (float64(c.ActivePrefillTokens) + float64(max(s.ISL-c.Overlap*bs, 0))) / float64(bs)
+	return (float64(c.ActivePrefillTokens) + max(float64(s.ISL)-c.EffectiveOverlap(s.TierWeights)*float64(bs), 0)) / float64(bs)
 }
 
 // outputBlocks estimates a request's generated blocks from its hints.

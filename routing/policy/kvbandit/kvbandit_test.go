@@ -338,3 +338,37 @@ func testPinned(t *testing.T, cfg Config) {
 		t.Fatal("announced work pushed a pinned session off its worker")
 	}
 }
+
+// A prefix held in host memory is worth less than one in GPU memory and
+// more than none, under both costs; with tier weights of 0 it is ignored.
+func TestLowerTierOverlapCountsBetweenAHitAndAMiss(t *testing.T) {
+	costs(t, func(t *testing.T, cfg Config) {
+		cfg.Speed.PriorSigma = 0
+		p, err := New(cfg, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rnd := routing.NewRand(1)
+		cs := cands("none:1", "cpu:1")
+		cs[1].OverlapCPU = 3
+		if i, _ := decide(t, p, scoring(cs, rnd)); i != 1 {
+			t.Fatalf("chose %d, want the candidate holding the prefix in host memory", i)
+		}
+		cs = cands("gpu:1", "cpu:1")
+		cs[0].Overlap = 3
+		cs[1].OverlapCPU = 3
+		if i, _ := decide(t, p, scoring(cs, rnd)); i != 0 {
+			t.Fatalf("chose %d, want the candidate holding the prefix in GPU memory", i)
+		}
+		cs = cands("none:1", "cpu:1")
+		cs[1].OverlapCPU = 3
+		cs[1].ActivePrefillTokens = 1 // otherwise a tie
+		s := scoring(cs, rnd)
+		s.TierWeights = routing.TierWeights{GPU: 1, CPU: 0, Disk: 0}
+		for range 20 {
+			if i, _ := decide(t, p, s); i != 0 {
+				t.Fatalf("chose %d with a CPU weight of 0, want the idle candidate", i)
+			}
+		}
+	})
+}
