@@ -68,7 +68,8 @@ const (
 	MaxRequestIDBytes = 128
 	// MaxHintHeaderBytes is the longest hint header value (x-prefix-id,
 	// x-prefix-total-requests, x-prefix-osl, x-prefix-iat,
-	// x-request-priority) read; a longer one is ignored and counted in
+	// x-request-priority, the TTFT objective headers,
+	// x-gateway-inference-objective) read; a longer one is ignored and counted in
 	// kvbandit_hint_problems_total. Other x-prefix-* headers are not read.
 	MaxHintHeaderBytes = 1024
 	// MaxModelHeaderBytes is the longest HeaderModel value read; a longer
