@@ -8,20 +8,23 @@ import (
 // only from bounded sets: path classes, status classes, phases and reasons
 // defined in this package.
 type Metrics struct {
-	requests           *prometheus.CounterVec
-	streamErrors       *prometheus.CounterVec
-	streams            prometheus.Gauge
-	requestsInflight   prometheus.Gauge
-	withoutBody        *prometheus.CounterVec
-	phase              *prometheus.HistogramVec
-	tokens             *prometheus.CounterVec
-	ttft               prometheus.Histogram
-	latency            prometheus.Histogram
-	outcomes           *prometheus.CounterVec
-	servedMismatch     prometheus.Counter
-	hintProblems       prometheus.Counter
-	bufferedBytes      prometheus.GaugeFunc
-	tokenizerFallbacks *prometheus.CounterVec
+	requests         *prometheus.CounterVec
+	streamErrors     *prometheus.CounterVec
+	streams          prometheus.Gauge
+	requestsInflight prometheus.Gauge
+	withoutBody      *prometheus.CounterVec
+	phase            *prometheus.HistogramVec
+	tokens           *prometheus.CounterVec
+	ttft             prometheus.Histogram
+	latency          prometheus.Histogram
+	outcomes         *prometheus.CounterVec
+	servedMismatch   prometheus.Counter
+	hintProblems     prometheus.Counter
+	// inferenceObjectives counts requests that named an InferenceObjective
+	// and had no priority of their own, by result (found, unknown).
+	inferenceObjectives *prometheus.CounterVec
+	bufferedBytes       prometheus.GaugeFunc
+	tokenizerFallbacks  *prometheus.CounterVec
 
 	// Per-phase observers, resolved once (no label lookup per request).
 	phaseParse, phaseTokenize, phasePick, phaseTotal prometheus.Observer
@@ -93,11 +96,15 @@ func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metric
 			Help: "Routing hint values that were invalid and ignored.",
 		}),
 	}
+	m.inferenceObjectives = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvbandit_inference_objective_requests_total",
+		Help: "Requests that named an InferenceObjective (x-gateway-inference-objective) and gave no priority of their own, by result: found (its priority applied) or unknown (default priority, as GIE).",
+	}, []string{"result"})
 	m.tokenizerFallbacks = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvbandit_tokenizer_fallbacks_total",
 		Help: "Requests routed on the byte-based token estimate instead of the model's tokenizer, by reason (no_tokenizer, error, timeout).",
 	}, []string{"reason"})
-	cs := []prometheus.Collector{m.tokenizerFallbacks, m.requests, m.streamErrors, m.streams, m.requestsInflight, m.withoutBody, m.phase, m.tokens, m.ttft, m.latency, m.outcomes, m.servedMismatch, m.hintProblems}
+	cs := []prometheus.Collector{m.tokenizerFallbacks, m.requests, m.streamErrors, m.streams, m.requestsInflight, m.withoutBody, m.phase, m.tokens, m.ttft, m.latency, m.outcomes, m.servedMismatch, m.hintProblems, m.inferenceObjectives}
 	if bufferedBytes != nil {
 		m.bufferedBytes = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvbandit_buffered_body_bytes",

@@ -68,7 +68,8 @@ const (
 	MaxRequestIDBytes = 128
 	// MaxHintHeaderBytes is the longest hint header value (x-prefix-id,
 	// x-prefix-total-requests, x-prefix-osl, x-prefix-iat,
-	// x-request-priority) read; a longer one is ignored and counted in
+	// x-request-priority, the TTFT objective headers,
+	// x-gateway-inference-objective) read; a longer one is ignored and counted in
 	// kvbandit_hint_problems_total. Other x-prefix-* headers are not read.
 	MaxHintHeaderBytes = 1024
 	// MaxModelHeaderBytes is the longest HeaderModel value read; a longer
@@ -83,7 +84,7 @@ const (
 
 // hintHeaders are the request headers package hints reads, in the order
 // of processor.hintVals.
-var hintHeaders = [...]string{hints.HeaderPrefixID, hints.HeaderTotalRequests, hints.HeaderOSL, hints.HeaderIAT, hints.HeaderPriority, hints.HeaderSLOTTFT, hints.HeaderLLMDSLOTTFT}
+var hintHeaders = [...]string{hints.HeaderPrefixID, hints.HeaderTotalRequests, hints.HeaderOSL, hints.HeaderIAT, hints.HeaderPriority, hints.HeaderSLOTTFT, hints.HeaderLLMDSLOTTFT, hints.HeaderInferenceObjective}
 
 // hintIndex returns the index of a hint header name in hintHeaders, or -1.
 func hintIndex(name string) int {
@@ -102,6 +103,8 @@ func hintIndex(name string) int {
 		return 5
 	case hints.HeaderLLMDSLOTTFT:
 		return 6
+	case hints.HeaderInferenceObjective:
+		return 7
 	}
 	return -1
 }
@@ -435,6 +438,9 @@ func (p *processor) decide(ctx context.Context) error {
 	if problems.Count > 0 {
 		m.hintProblems.Add(float64(problems.Count))
 	}
+	if r := hints.ApplyObjective(p.header, p.s.objectives, &req.Hints); r != hints.ObjectiveNone {
+		m.inferenceObjectives.WithLabelValues(r).Inc()
+	}
 	t1 := p.s.clk.Now()
 	m.phaseParse.Observe(t1.Sub(t0).Seconds())
 	if parsed != nil {
@@ -552,7 +558,7 @@ func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) error {
 			// stream never holds a client's long header until its
 			// decision; the proxy does the same.
 			p.tenant = prefixstate.BoundID(headerValue(h))
-		case strings.HasPrefix(k, "x-prefix-") || k == hints.HeaderPriority || k == hints.HeaderSLOTTFT || k == hints.HeaderLLMDSLOTTFT:
+		case strings.HasPrefix(k, "x-prefix-") || k == hints.HeaderPriority || k == hints.HeaderSLOTTFT || k == hints.HeaderLLMDSLOTTFT || k == hints.HeaderInferenceObjective:
 			i := hintIndex(k)
 			if i < 0 || p.hintSet&(1<<i) != 0 {
 				continue // not a hint, or a repeat: the first one counts

@@ -42,7 +42,8 @@ func FuzzProcessor(f *testing.F) {
 		if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}, {Key: "10.0.0.2:8000", Models: []routing.ModelName{"m"}}}}); err != nil {
 			t.Fatal(err)
 		}
-		s := NewServer(Config{MaxBodyBytes: 256, ResponseProcessing: ops[0]%2 == 0}, Deps{Picker: e, Logger: slog.New(slog.DiscardHandler)})
+		s := NewServer(Config{MaxBodyBytes: 256, ResponseProcessing: ops[0]%2 == 0}, Deps{Picker: e, Logger: slog.New(slog.DiscardHandler),
+			Objectives: fuzzObjectives{}})
 		p := newProcessor(s)
 		modes := []filterv3.ProcessingMode_BodySendMode{filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, filterv3.ProcessingMode_BUFFERED, filterv3.ProcessingMode_NONE, filterv3.ProcessingMode_STREAMED}
 		for i, op := range ops {
@@ -62,6 +63,7 @@ func FuzzProcessor(f *testing.F) {
 						{Key: "x-prefix-osl", RawValue: chunk},
 						{Key: "x-prefix-" + string(chunk), RawValue: chunk},
 						{Key: "x-request-priority", Value: string(chunk)},
+						{Key: "x-gateway-inference-objective", RawValue: chunk},
 						{Key: "x-request-id", Value: string(chunk)},
 						{Key: HeaderModel, RawValue: chunk},
 					}},
@@ -126,3 +128,8 @@ func FuzzProcessor(f *testing.F) {
 		}
 	})
 }
+
+// fuzzObjectives knows every name of even length (priority: its length).
+type fuzzObjectives struct{}
+
+func (fuzzObjectives) Priority(name string) (int, bool) { return -len(name), len(name)%2 == 0 }

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/openai"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
@@ -133,6 +134,10 @@ type Deps struct {
 	// Config.MaxBufferedBytes. A given Budget's limit is the effective
 	// MaxBufferedBytes.
 	Budget *Budget
+	// Objectives gives the priority of a request's InferenceObjective
+	// (x-gateway-inference-objective) when the request gave none; nil when
+	// objectives are not discovered (see hints.ApplyObjective).
+	Objectives hints.Priorities
 }
 
 // Server implements the ext_proc ExternalProcessor service.
@@ -145,6 +150,8 @@ type Server struct {
 	log     *slog.Logger
 	clk     clock.Clock
 	metrics *Metrics
+	// objectives is Deps.Objectives (nil: none).
+	objectives hints.Priorities
 
 	streams atomic.Int64
 	budget  *Budget
@@ -168,7 +175,7 @@ var _ extprocv3.ExternalProcessorServer = (*Server)(nil)
 // NewServer returns a server. deps.Picker must be set.
 func NewServer(cfg Config, deps Deps) *Server {
 	cfg.defaults()
-	s := &Server{cfg: cfg, picker: deps.Picker, tok: deps.Tokenizer, log: deps.Logger, clk: clock.Or(deps.Clock), drain: make(chan struct{})}
+	s := &Server{cfg: cfg, picker: deps.Picker, tok: deps.Tokenizer, log: deps.Logger, clk: clock.Or(deps.Clock), drain: make(chan struct{}), objectives: deps.Objectives}
 	if s.log == nil {
 		s.log = slog.Default()
 	}

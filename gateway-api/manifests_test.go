@@ -145,8 +145,8 @@ func TestManifestsAndChart(t *testing.T) {
 				if hasFlag(args, "--pool-name") || find(objs, "InferencePool", "") != nil {
 					t.Error("standalone render names or creates an InferencePool")
 				}
-				if strings.Contains(fmt.Sprint(find(objs, "Role", release+"-kvbandit").get("rules")), "inferencepools") {
-					t.Error("standalone Role grants inferencepools")
+				if rules := fmt.Sprint(find(objs, "Role", release+"-kvbandit").get("rules")); strings.Contains(rules, "inferencepools") || strings.Contains(rules, "inferenceobjectives") {
+					t.Error("standalone Role grants inferencepools or inferenceobjectives")
 				}
 			}},
 		{name: "replicas=3 sync active-active", leader: false,
@@ -515,7 +515,8 @@ func checkPicker(t *testing.T, objs []object, pool, svcName string, leader bool)
 		}
 	}
 	all := strings.Join(rules, "\n")
-	for _, want := range []string{"resources:[pods] verbs:[get list watch]", "resources:[inferencepools] verbs:[get list watch]"} {
+	for _, want := range []string{"resources:[pods] verbs:[get list watch]", "resources:[inferencepools] verbs:[get list watch]",
+		"apiGroups:[inference.networking.x-k8s.io] resources:[inferenceobjectives] verbs:[get list watch]"} {
 		if !strings.Contains(all, want) {
 			t.Errorf("RBAC lacks %q:\n%s", want, all)
 		}

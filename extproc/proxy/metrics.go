@@ -9,13 +9,16 @@ import (
 // metrics are the proxy's Prometheus metrics (kvbandit_proxy_*). Label
 // values come from bounded sets defined here.
 type metrics struct {
-	requests           *prometheus.CounterVec
-	upstreamErrors     *prometheus.CounterVec
-	outcomes           *prometheus.CounterVec
-	ttft               prometheus.Histogram
-	hintProblems       prometheus.Counter
-	tokenizerFallbacks *prometheus.CounterVec
-	tokensRouted       prometheus.Counter
+	requests       *prometheus.CounterVec
+	upstreamErrors *prometheus.CounterVec
+	outcomes       *prometheus.CounterVec
+	ttft           prometheus.Histogram
+	hintProblems   prometheus.Counter
+	// inferenceObjectives: requests naming an InferenceObjective without
+	// a priority of their own, by result (found, unknown).
+	inferenceObjectives *prometheus.CounterVec
+	tokenizerFallbacks  *prometheus.CounterVec
+	tokensRouted        prometheus.Counter
 }
 
 // pathRoute is the label of /v1/route; the other path classes are the
@@ -48,6 +51,10 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 			Name: "kvbandit_proxy_hint_problems_total",
 			Help: "Proxied requests: routing hint values that were invalid and ignored.",
 		}),
+		inferenceObjectives: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbandit_proxy_inference_objective_requests_total",
+			Help: "Proxied requests that named an InferenceObjective (x-gateway-inference-objective) and gave no priority of their own, by result: found (its priority applied) or unknown (default priority, as GIE).",
+		}, []string{"result"}),
 		tokenizerFallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbandit_proxy_tokenizer_fallbacks_total",
 			Help: "Proxied requests routed on the byte-based token estimate, by reason (no_tokenizer, error, timeout).",
@@ -57,7 +64,7 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 			Help: "Prompt tokens of proxied requests as kvbandit tokenized or estimated them.",
 		}),
 	}
-	reg.MustRegister(m.requests, m.upstreamErrors, m.outcomes, m.ttft, m.hintProblems, m.tokenizerFallbacks, m.tokensRouted,
+	reg.MustRegister(m.requests, m.upstreamErrors, m.outcomes, m.ttft, m.hintProblems, m.inferenceObjectives, m.tokenizerFallbacks, m.tokensRouted,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvbandit_proxy_requests_inflight",
 			Help: "Requests the standalone proxy is handling.",

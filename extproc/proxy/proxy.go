@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbandit/kvbandit/extproc"
+	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/openai"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
@@ -125,6 +126,10 @@ type Deps struct {
 	// with the ext_proc server. nil: a private one of
 	// Config.MaxBufferedBytes.
 	Budget *extproc.Budget
+	// Objectives gives the priority of a request's InferenceObjective
+	// (x-gateway-inference-objective) when the request gave none; nil when
+	// objectives are not discovered (see hints.ApplyObjective).
+	Objectives hints.Priorities
 }
 
 // NewTransport returns the transport the proxy uses by default: keep-alive
@@ -189,6 +194,8 @@ type Proxy struct {
 	metrics *metrics
 	bufs    sync.Pool
 	budget  *extproc.Budget
+	// objectives is Deps.Objectives (nil: none).
+	objectives hints.Priorities
 
 	inflight atomic.Int64
 	wg       sync.WaitGroup
@@ -201,7 +208,7 @@ var _ http.Handler = (*Proxy)(nil)
 // New returns a proxy. deps.Engine must be set.
 func New(cfg Config, deps Deps) *Proxy {
 	cfg.defaults()
-	p := &Proxy{cfg: cfg, engine: deps.Engine, tok: deps.Tokenizer, log: deps.Logger, clk: clock.Or(deps.Clock), rt: deps.Transport, budget: deps.Budget}
+	p := &Proxy{cfg: cfg, engine: deps.Engine, tok: deps.Tokenizer, log: deps.Logger, clk: clock.Or(deps.Clock), rt: deps.Transport, budget: deps.Budget, objectives: deps.Objectives}
 	if p.budget == nil {
 		p.budget = extproc.NewBudget(cfg.MaxBufferedBytes)
 	}
@@ -494,6 +501,9 @@ func (p *Proxy) build(ctx context.Context, r *http.Request, target string, kind 
 	}
 	if problems.Count > 0 {
 		p.metrics.hintProblems.Add(float64(problems.Count))
+	}
+	if r := hints.ApplyObjective(header, p.objectives, &req.Hints); r != hints.ObjectiveNone {
+		p.metrics.inferenceObjectives.WithLabelValues(r).Inc()
 	}
 	if parsed != nil {
 		reason, terr := extproc.TokenizeRequest(ctx, p.tok, p.cfg.TokenizerTimeout, parsed, body, &req)

@@ -16,10 +16,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/goleak"
 
 	"github.com/kvbandit/kvbandit/e2e/worker"
 	"github.com/kvbandit/kvbandit/extproc"
+	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/proxy"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/policy"
@@ -33,6 +35,7 @@ type outcomes struct {
 	done      []routing.Outcome
 	endpoints []routing.EndpointKey
 	decisions int
+	hints     []routing.Hints // of every decided request
 }
 
 func (o *outcomes) onDone(d *routing.Decision, out routing.Outcome) {
@@ -42,10 +45,11 @@ func (o *outcomes) onDone(d *routing.Decision, out routing.Outcome) {
 	o.endpoints = append(o.endpoints, d.Endpoint)
 }
 
-func (o *outcomes) onDecision(*routing.Request, *routing.Decision) {
+func (o *outcomes) onDecision(r *routing.Request, _ *routing.Decision) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.decisions++
+	o.hints = append(o.hints, r.Hints)
 }
 
 func (o *outcomes) snapshot() ([]routing.Outcome, int) {
@@ -94,6 +98,9 @@ type options struct {
 	endpoints []routing.Endpoint
 	models    bool // declare the workers' model on their endpoints
 	budget    *extproc.Budget
+	// objectives is the InferenceObjective lookup (nil: none).
+	objectives hints.Priorities
+	reg        *prometheus.Registry
 }
 
 func newFixture(t testing.TB, o options) *fixture {
@@ -134,7 +141,11 @@ func newFixture(t testing.TB, o options) *fixture {
 			t.Fatal(err)
 		}
 	}
-	f.proxy = proxy.New(o.cfg, proxy.Deps{Engine: f.engine, Budget: o.budget})
+	deps := proxy.Deps{Engine: f.engine, Budget: o.budget, Objectives: o.objectives}
+	if o.reg != nil {
+		deps.Registry = o.reg
+	}
+	f.proxy = proxy.New(o.cfg, deps)
 	srv := httptest.NewServer(f.proxy)
 	f.url = srv.URL
 	tr := &http.Transport{DisableCompression: true}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"strconv"
 	"strings"
 
@@ -15,26 +16,24 @@ import (
 	"github.com/kvbandit/kvbandit/routing/discovery/eds"
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
 	"github.com/kvbandit/kvbandit/routing/discovery/kube"
+	"github.com/kvbandit/kvbandit/routing/discovery/kube/objectives"
 )
 
 // discoverySources returns the static set (published synchronously at
 // start, so a bad one is a start-up error) or the dynamic sources the
-// flags and the config file select.
-func discoverySources(o ServeOptions, c *FileConfig, log *slog.Logger) (*routing.EndpointSet, []discovery.Source, error) {
-	var (
-		static  *routing.EndpointSet
-		sources []discovery.Source
-	)
+// flags and the config file select, and, when the source is an
+// InferencePool, the watcher of the pool's InferenceObjectives.
+func discoverySources(o ServeOptions, c *FileConfig, log *slog.Logger) (static *routing.EndpointSet, sources []discovery.Source, obj *objectives.Watcher, err error) {
 	if len(c.Endpoints) > 0 {
 		static = &routing.EndpointSet{Source: "config", Endpoints: c.Endpoints}
 	}
 	if o.Endpoints != "" {
 		if static != nil {
-			return nil, nil, errors.New("give endpoints in --endpoints or in the config file, not both")
+			return nil, nil, nil, errors.New("give endpoints in --endpoints or in the config file, not both")
 		}
 		s, err := routing.ParseEndpointList(o.Endpoints)
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		static = &s
 	}
@@ -61,13 +60,13 @@ func discoverySources(o ServeOptions, c *FileConfig, log *slog.Logger) (*routing
 		ec.Defaults()
 		src, err := etcd.New(*ec, etcd.Deps{Logger: log})
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		sources = append(sources, src)
 	}
-	src, err := kubeSource(o, c, log)
+	src, obj, err := kubeSource(o, c, log)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	if src != nil {
 		sources = append(sources, src)
@@ -78,16 +77,17 @@ func discoverySources(o ServeOptions, c *FileConfig, log *slog.Logger) (*routing
 	}
 	switch {
 	case n == 0:
-		return nil, nil, errors.New("no workers: give --endpoints, --endpoints-file, --pool-name, --kube-selector, or a config file with endpoints or a discovery source")
+		return nil, nil, nil, errors.New("no workers: give --endpoints, --endpoints-file, --pool-name, --kube-selector, or a config file with endpoints or a discovery source")
 	case n > 1:
-		return nil, nil, errors.New("give one source of endpoints: --endpoints, --endpoints-file, the config's endpoints, or one discovery source")
+		return nil, nil, nil, errors.New("give one source of endpoints: --endpoints, --endpoints-file, the config's endpoints, or one discovery source")
 	}
-	return static, sources, nil
+	return static, sources, obj, nil
 }
 
 // kubeSource is the Kubernetes source of --pool-name/--kube-selector and
-// the config's discovery.kube (flags win), or nil.
-func kubeSource(o ServeOptions, c *FileConfig, log *slog.Logger) (discovery.Source, error) {
+// the config's discovery.kube (flags win), or nil; in pool mode also the
+// watcher of the pool's InferenceObjectives.
+func kubeSource(o ServeOptions, c *FileConfig, log *slog.Logger) (discovery.Source, *objectives.Watcher, error) {
 	kc := c.Discovery.Kube
 	if o.PoolName != "" || o.KubeSelector != "" {
 		if kc == nil {
@@ -99,16 +99,16 @@ func kubeSource(o ServeOptions, c *FileConfig, log *slog.Logger) (discovery.Sour
 		if o.KubeSelector != "" {
 			sel, err := parseSelector(o.KubeSelector)
 			if err != nil {
-				return nil, err
+				return nil, nil, err
 			}
 			kc.Selector = sel
 		}
 	}
 	if kc == nil {
 		if o.PoolNamespace != "" || o.KubeTargetPorts != "" {
-			return nil, errors.New("--pool-namespace and --kube-target-ports need --pool-name or --kube-selector")
+			return nil, nil, errors.New("--pool-namespace and --kube-target-ports need --pool-name or --kube-selector")
 		}
-		return nil, nil
+		return nil, nil, nil
 	}
 	if o.PoolNamespace != "" {
 		kc.Namespace = o.PoolNamespace
@@ -118,17 +118,29 @@ func kubeSource(o ServeOptions, c *FileConfig, log *slog.Logger) (discovery.Sour
 		for _, f := range splitList(o.KubeTargetPorts) {
 			p, err := strconv.Atoi(f)
 			if err != nil {
-				return nil, fmt.Errorf("--kube-target-ports: %q is not a port", f)
+				return nil, nil, fmt.Errorf("--kube-target-ports: %q is not a port", f)
 			}
 			kc.TargetPorts = append(kc.TargetPorts, p)
 		}
 	}
 	rc, err := kubeRESTConfig(cmp.Or(o.Kubeconfig, kc.Kubeconfig))
 	if err != nil {
-		return nil, fmt.Errorf("kube discovery: API server configuration: %w", err)
+		return nil, nil, fmt.Errorf("kube discovery: API server configuration: %w", err)
 	}
-	return kube.New(kube.Config{Namespace: kc.Namespace, Pool: kc.Pool, Selector: kc.Selector, TargetPorts: kc.TargetPorts},
+	ns := cmp.Or(kc.Namespace, os.Getenv("POD_NAMESPACE"), "default")
+	src, err := kube.New(kube.Config{Namespace: ns, Pool: kc.Pool, Selector: kc.Selector, TargetPorts: kc.TargetPorts},
 		kube.Deps{Config: rc, Logger: log})
+	if err != nil {
+		return nil, nil, err
+	}
+	if kc.Pool == "" {
+		return src, nil, nil
+	}
+	obj, err := objectives.New(objectives.Config{Namespace: ns, Pool: kc.Pool}, objectives.Deps{Config: rc, Logger: log})
+	if err != nil {
+		return nil, nil, err
+	}
+	return src, obj, nil
 }
 
 // parseSelector parses "k=v,k=v".
@@ -212,4 +224,32 @@ func (c edsCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(edsAcksDesc, prometheus.CounterValue, float64(st.ACKs), "ack")
 	ch <- prometheus.MustNewConstMetric(edsAcksDesc, prometheus.CounterValue, float64(st.NACKs), "nack")
 	ch <- prometheus.MustNewConstMetric(edsVersionDesc, prometheus.GaugeValue, float64(st.Endpoints))
+}
+
+// objectivesCollector exports the InferenceObjective watcher's state.
+type objectivesCollector struct{ w *objectives.Watcher }
+
+var (
+	objKnownDesc     = prometheus.NewDesc("kvbandit_inference_objectives", "InferenceObjectives of the pool known by name (their priorities apply to requests naming them in x-gateway-inference-objective).", nil, nil)
+	objAvailableDesc = prometheus.NewDesc("kvbandit_inference_objectives_available", "1 once the pool's InferenceObjectives could be listed and watched; 0 while the CRD is not served or RBAC forbids it (requests get the default priority).", nil, nil)
+	objSkippedDesc   = prometheus.NewDesc("kvbandit_inference_objectives_skipped_total", "InferenceObjective versions skipped, by reason (malformed, over_limit).", []string{"reason"}, nil)
+)
+
+func (objectivesCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- objKnownDesc
+	ch <- objAvailableDesc
+	ch <- objSkippedDesc
+}
+
+func (c objectivesCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.w.Stats()
+	avail := 0.0
+	if st.Available {
+		avail = 1
+	}
+	ch <- prometheus.MustNewConstMetric(objKnownDesc, prometheus.GaugeValue, float64(st.Known))
+	ch <- prometheus.MustNewConstMetric(objAvailableDesc, prometheus.GaugeValue, avail)
+	for _, r := range []string{objectives.ReasonMalformed, objectives.ReasonOverLimit} {
+		ch <- prometheus.MustNewConstMetric(objSkippedDesc, prometheus.CounterValue, float64(st.Skipped[r]), r)
+	}
 }

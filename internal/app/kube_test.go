@@ -20,6 +20,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc/proxy"
 	"github.com/kvbandit/kvbandit/gateway-api/kubetest"
 	"github.com/kvbandit/kvbandit/routing/discovery/kube"
+	"github.com/kvbandit/kvbandit/routing/discovery/kube/objectives"
 )
 
 // TestServeKubeDiscovery: serve --pool-name follows an InferencePool on a
@@ -35,6 +36,7 @@ func TestServeKubeDiscovery(t *testing.T) {
 		Rules: []rbacv1.PolicyRule{
 			{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "watch"}},
 			{APIGroups: []string{"inference.networking.k8s.io"}, Resources: []string{"inferencepools"}, Verbs: []string{"get", "list", "watch"}},
+			{APIGroups: []string{objectives.GVR.Group}, Resources: []string{"inferenceobjectives"}, Verbs: []string{"get", "list", "watch"}},
 		},
 	}, metav1.CreateOptions{})
 	if err != nil {
@@ -64,9 +66,18 @@ func TestServeKubeDiscovery(t *testing.T) {
 	if _, err := c.Dynamic(t).Resource(kube.PoolGVR).Namespace(ns).Create(t.Context(), pool, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	obj := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
+		"metadata": map[string]any{"name": "gold", "namespace": ns},
+		"spec":     map[string]any{"poolRef": map[string]any{"name": "p"}, "priority": int64(10)},
+	}}
+	if _, err := c.Dynamic(t).Resource(objectives.GVR).Namespace(ns).Create(t.Context(), obj, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	c.CreatePod(t, ns, "w0", map[string]string{"app": "sim"}, map[string]string{kube.AnnotationEngine: "vllm"})
 	c.SetPodStatus(t, ns, "w0", "127.0.0.1", true)
 
+	var metricsURL string
 	serve := func(user string) (string, <-chan error, context.CancelFunc) {
 		listen := func() net.Listener {
 			l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -75,8 +86,9 @@ func TestServeKubeDiscovery(t *testing.T) {
 			}
 			return l
 		}
-		hl := listen()
-		ls := &Listeners{GRPC: listen(), Health: listen(), HTTP: hl}
+		hl, ml := listen(), listen()
+		metricsURL = "http://" + ml.Addr().String() + "/metrics"
+		ls := &Listeners{GRPC: listen(), Health: listen(), HTTP: hl, Metrics: ml}
 		o := ServeOptions{PoolName: "p", PoolNamespace: ns, Kubeconfig: c.Kubeconfig(t, user), Policy: "kv", MaxBodyBytes: 1 << 20, MaxInflight: 8,
 			DecisionTimeout: time.Second, StopGrace: 100 * time.Millisecond, ResponseProcessing: true, LogLevel: "info", LogFormat: "text"}
 		ctx, cancel := context.WithCancel(t.Context())
@@ -123,7 +135,27 @@ func TestServeKubeDiscovery(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	resp, err := hc.Post(url+"/v1/chat/completions", "application/json", strings.NewReader(`{"model":"test-model","max_tokens":3,"messages":[{"role":"user","content":"hi"}]}`))
+	// The pool's InferenceObjective is known; a request naming it gets its
+	// priority (counted as found).
+	metrics := func() string {
+		resp, err := hc.Get(metricsURL)
+		if err != nil {
+			return ""
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return string(b)
+	}
+	for !strings.Contains(metrics(), "\nkvbandit_inference_objectives 1\n") {
+		if time.Now().After(deadline) {
+			t.Fatalf("the InferenceObjective never became known:\n%s", metrics())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	req, _ := http.NewRequest(http.MethodPost, url+"/v1/chat/completions", strings.NewReader(`{"model":"test-model","max_tokens":3,"messages":[{"role":"user","content":"hi"}]}`))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Gateway-Inference-Objective", "gold")
+	resp, err := hc.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -131,6 +163,10 @@ func TestServeKubeDiscovery(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != 200 {
 		t.Fatalf("chat through the proxy: %d %s", resp.StatusCode, body)
+	}
+	if m := metrics(); !strings.Contains(m, `kvbandit_proxy_inference_objective_requests_total{result="found"} 1`) ||
+		!strings.Contains(m, "kvbandit_inference_objectives_available 1") {
+		t.Fatalf("objective metrics:\n%s", m)
 	}
 }
 
@@ -143,7 +179,7 @@ func TestServeKubeFlags(t *testing.T) {
 		"no ports":        {KubeSelector: "app=x"},
 		"pool + selector": {PoolName: "p", KubeSelector: "app=x", Kubeconfig: "/nonexistent"},
 	} {
-		if _, _, err := discoverySources(o, &c, slog.New(slog.DiscardHandler)); err == nil {
+		if _, _, _, err := discoverySources(o, &c, slog.New(slog.DiscardHandler)); err == nil {
 			t.Errorf("%s: no error", name)
 		}
 	}

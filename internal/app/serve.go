@@ -24,6 +24,7 @@ import (
 	"google.golang.org/grpc/reflection"
 
 	"github.com/kvbandit/kvbandit/extproc"
+	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/proxy"
 	"github.com/kvbandit/kvbandit/internal/tlsconfig"
 	"github.com/kvbandit/kvbandit/routing"
@@ -359,7 +360,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	if err := o.applyFlags(&fileCfg); err != nil {
 		return fmt.Errorf("%w: %w", ErrUsage, err)
 	}
-	static, sources, err := discoverySources(o, &fileCfg, log)
+	static, sources, objWatcher, err := discoverySources(o, &fileCfg, log)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrUsage, err)
 	}
@@ -450,6 +451,14 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		maxBuffered = extproc.DefaultMaxBufferedBytes(o.MaxBodyBytes)
 	}
 	budget := extproc.NewBudget(maxBuffered)
+	// InferenceObjectives (pool mode only) give priorities by name.
+	var prios hints.Priorities
+	if objWatcher != nil {
+		prios = objWatcher
+		reg.MustRegister(objectivesCollector{objWatcher})
+		bg.Add(1)
+		go func() { defer bg.Done(); _ = objWatcher.Run(bgCtx) }()
+	}
 	ep := extproc.NewServer(extproc.Config{
 		MaxBodyBytes:        o.MaxBodyBytes,
 		MaxInflight:         o.MaxInflight,
@@ -460,7 +469,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		ResponseProcessing:  o.ResponseProcessing,
 		TenantHeader:        o.TenantHeader,
 		TokenizerTimeout:    secs(fileCfg.Tokenizer.TimeoutSecs),
-	}, extproc.Deps{Picker: engine, Tokenizer: tok, Logger: log, Registry: reg, Budget: budget})
+	}, extproc.Deps{Picker: engine, Tokenizer: tok, Logger: log, Registry: reg, Budget: budget, Objectives: prios})
 	var px *proxy.Proxy
 	if ls.HTTP != nil || o.HTTPAddr != "" {
 		px = proxy.New(proxy.Config{
@@ -469,7 +478,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 			DecisionTimeout:  o.DecisionTimeout,
 			TenantHeader:     o.TenantHeader,
 			TokenizerTimeout: secs(fileCfg.Tokenizer.TimeoutSecs),
-		}, proxy.Deps{Engine: engine, Tokenizer: tok, Logger: log, Registry: reg, Clock: engine.Clock(), Budget: budget})
+		}, proxy.Deps{Engine: engine, Tokenizer: tok, Logger: log, Registry: reg, Clock: engine.Clock(), Budget: budget, Objectives: prios})
 		defer px.CloseIdleConnections()
 	}
 

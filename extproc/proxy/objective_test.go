@@ -1,0 +1,75 @@
+package proxy_test
+
+import (
+	"net/http"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbandit/kvbandit/extproc/hints"
+	"github.com/kvbandit/kvbandit/routing"
+)
+
+type prioMap map[string]int
+
+func (m prioMap) Priority(name string) (int, bool) { p, ok := m[name]; return p, ok }
+
+// TestProxyInferenceObjective: the proxy applies an InferenceObjective's
+// priority as the ext_proc path does.
+func TestProxyInferenceObjective(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	f := newFixture(t, options{workers: 1, objectives: prioMap{"gold": 10, "batch": -5}, reg: reg})
+	for _, hdr := range [][]string{
+		{hints.HeaderInferenceObjective, "gold"},
+		{hints.HeaderInferenceObjective, "batch"},
+		{hints.HeaderInferenceObjective, "gold", hints.HeaderPriority, "2"},
+		{hints.HeaderInferenceObjective, "nope"},
+		nil,
+	} {
+		resp, b := f.post(t, "/v1/chat/completions", chatBody(f.workers[0].Model(), "hi", ""), hdr...)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("%v: %d %s", hdr, resp.StatusCode, b)
+		}
+	}
+	f.out.wait(t, 5)
+	f.out.mu.Lock()
+	got := append([]routing.Hints(nil), f.out.hints...)
+	f.out.mu.Unlock()
+	want := []struct {
+		prio int
+		has  bool
+	}{{10, true}, {-5, true}, {2, true}, {0, false}, {0, false}}
+	for i, w := range want {
+		if got[i].Priority != w.prio || got[i].HasPriority != w.has {
+			t.Errorf("request %d: priority %d (%v), want %d (%v)", i, got[i].Priority, got[i].HasPriority, w.prio, w.has)
+		}
+	}
+	const name = "kvbandit_proxy_inference_objective_requests_total"
+	for result, want := range map[string]float64{"found": 2, "unknown": 1} {
+		if got := counterValue(t, reg, name, result); got != want {
+			t.Errorf("%s = %v, want %v", result, got, want)
+		}
+	}
+	f.inflightZero(t)
+}
+
+func counterValue(t *testing.T, reg *prometheus.Registry, name, result string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "result" && l.GetValue() == result {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return 0
+}
