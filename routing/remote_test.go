@@ -35,7 +35,11 @@ func newReplica(t testing.TB, name string, seed int64, clk clock.Clock, opts rou
 	}
 	t.Cleanup(store.Close)
 	rnd := routing.NewRand(seed)
-	p, err := policy.Builtin().New(name, policy.Deps{Rand: rnd, Clock: clk, Prefixes: store, Logger: quiet()})
+	// Peers' outcomes teach kvbandit's speed factors only when asked
+	// (speed.remote_weight, 0 by default); these tests check that path.
+	cfg := policy.DefaultConfig()
+	cfg.KVBandit.Speed.RemoteWeight = 1
+	p, err := policy.Builtin().New(name, policy.Deps{Rand: rnd, Clock: clk, Prefixes: store, Logger: quiet(), Config: &cfg})
 	if err != nil {
 		t.Fatal(err)
 	}

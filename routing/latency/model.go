@@ -37,12 +37,21 @@ type Config struct {
 	// MaxFactor bounds a factor (and one observation) to
 	// [1/MaxFactor, MaxFactor].
 	MaxFactor float64 `json:"max_factor"`
+	// RemoteWeight is what one peer replica's outcome counts for in an
+	// endpoint's factor, in local outcomes (0, the default: peers teach
+	// the factors nothing; 1: as much as a local one). A peer's outcome
+	// lacks the running sequences and scraped load at its decision, so its
+	// ratio to the pooled fit is noisier, and with R replicas R−1 of every
+	// R outcomes are a peer's: at full weight they set the factor's memory
+	// (measured in docs/bench.md "Replicas": 4 synced replicas on Mooncake,
+	// p90 1.03 s at 1, 784 ms at 0).
+	RemoteWeight float64 `json:"remote_weight"`
 }
 
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
 	return Config{BatchTokens: 8192, Forget: 0.998, Ridge: 2, MemoryFull: 0.9,
-		PriorSigma: 0.15, ObsSigma: 0.35, SpeedForget: 0.9, MaxFactor: 8}
+		PriorSigma: 0.15, ObsSigma: 0.35, SpeedForget: 0.9, MaxFactor: 8, RemoteWeight: 0}
 }
 
 // Validate checks the parameters, naming the bad field.
@@ -61,6 +70,7 @@ func (c Config) Validate() error {
 	check("obs_sigma", c.ObsSigma, 0, 10, true)
 	check("speed_forget", c.SpeedForget, 0, 1, true)
 	check("max_factor", c.MaxFactor, 1, math.Inf(1), false)
+	check("remote_weight", c.RemoteWeight, 0, 1, false)
 	return errors.Join(errs...)
 }
 
@@ -143,6 +153,7 @@ type Model struct {
 	dec wls        // decode step fit
 
 	speeds sync.Map // key → *belief
+	fleet  fleetMean
 }
 
 type key struct {

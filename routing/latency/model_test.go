@@ -277,7 +277,9 @@ func BenchmarkEstimate(b *testing.B) {
 // running count; the endpoint's recent one from local outcomes stands in,
 // so that a peer's outcome on a busy endpoint is not read as slowness.
 func TestRemoteOutcomesUseTheRecentRunning(t *testing.T) {
-	m := newModel(t, DefaultConfig())
+	cfg := DefaultConfig()
+	cfg.RemoteWeight = 1
+	m := newModel(t, cfg)
 	r := rand.New(rand.NewPCG(11, 12))
 	for range 3000 {
 		f := randFeatures(r)
@@ -296,5 +298,30 @@ func TestRemoteOutcomesUseTheRecentRunning(t *testing.T) {
 	after, _ := m.Factor(cand("a:1"))
 	if math.Abs(after-before) > 0.1 {
 		t.Fatalf("peers' outcomes moved the log factor from %.3f to %.3f", before, after)
+	}
+}
+
+// A peer's outcome counts RemoteWeight local ones: nothing at the default
+// 0, less at 0.25 than at 1.
+func TestRemoteWeight(t *testing.T) {
+	moved := func(w float64, remote bool) float64 {
+		cfg := DefaultConfig()
+		cfg.RemoteWeight = w
+		m := newModel(t, cfg)
+		f := Features{Uncached: 2000}
+		for range 5 {
+			o := obs("a:1", f, 3*fleet.ttft(f), 0, 0) // three times slower than the fit's prior
+			o.Remote = remote
+			m.Observe(o)
+		}
+		mu, _ := m.Factor(cand("a:1"))
+		return mu
+	}
+	if d := moved(0, true); d != 0 {
+		t.Errorf("remote weight 0: the factor moved to %v", d)
+	}
+	quarter, full := moved(0.25, true), moved(1, true)
+	if !(0 < quarter && quarter < full) {
+		t.Errorf("remote weight 0.25 moved the factor %v, 1 moved it %v: want 0 < quarter < full", quarter, full)
 	}
 }

@@ -70,7 +70,40 @@ func (m *Model) Factor(c *routing.Candidate) (mean, sd float64) {
 			return v.m, 1 / math.Sqrt(v.p)
 		}
 	}
-	return 0, m.cfg.PriorSigma
+	return m.fleetPrior(), m.cfg.PriorSigma
+}
+
+// fleetMean is the mean log factor over the endpoints learnt so far: the prior
+// mean of an endpoint not seen yet. The factors are relative to the pooled
+// fit, which takes a while to find the fleet's scale; while it does, the
+// endpoints that served first learn its error as their own speed. With a
+// prior of 0 an unseen endpoint would then look slower (or faster) than
+// every endpoint seen, for no reason of its own; starting it at the fleet's
+// mean keeps cold endpoints level with the rest.
+type fleetMean struct {
+	mu   sync.Mutex
+	sum  float64
+	n    int
+	mean atomic.Uint64 // float64 bits of sum/n (0 when n is 0)
+}
+
+// fleetPrior returns the fleet's mean log factor.
+func (m *Model) fleetPrior() float64 { return math.Float64frombits(m.fleet.mean.Load()) }
+
+// adjustFleet adds delta to the sum of the learnt means and dn to their count.
+func (m *Model) adjustFleet(delta float64, dn int) {
+	f := &m.fleet
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.sum += delta
+	f.n += dn
+	mean := 0.0
+	if f.n > 0 {
+		mean = f.sum / float64(f.n)
+	} else {
+		f.sum = 0
+	}
+	f.mean.Store(math.Float64bits(mean))
 }
 
 // Draw returns the candidate's speed factor: a Thompson draw from its
@@ -95,15 +128,26 @@ func (m *Model) observeSpeed(k key, rel float64, at time.Time, running float64, 
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	prev := b.v.Load()
-	if prev == nil {
+	fresh := prev == nil
+	if fresh {
 		pp := 1e12 // PriorSigma 0: the prior is certain
 		if m.cfg.PriorSigma > 0 {
 			pp = 1 / (m.cfg.PriorSigma * m.cfg.PriorSigma)
 		}
-		prev = &posterior{p: pp}
+		prev = &posterior{p: pp, m: m.fleetPrior()}
 	}
 	obs := 1 / (m.cfg.ObsSigma * m.cfg.ObsSigma)
 	kept := m.cfg.SpeedForget * prev.p
+	if !local {
+		// A peer's outcome counts as RemoteWeight local ones: that much
+		// evidence, that much forgetting.
+		w := m.cfg.RemoteWeight
+		if w == 0 {
+			return
+		}
+		obs *= w
+		kept = math.Pow(m.cfg.SpeedForget, w) * prev.p
+	}
 	next := &posterior{p: kept + obs, n: prev.n + 1, seen: at, run: prev.run}
 	if local && running >= 0 && !math.IsInf(running, 0) {
 		if prev.n == 0 {
@@ -114,6 +158,11 @@ func (m *Model) observeSpeed(k key, rel float64, at time.Time, running float64, 
 	}
 	next.m = (kept*prev.m + obs*rel) / next.p
 	b.v.Store(next)
+	if fresh {
+		m.adjustFleet(next.m, 1)
+	} else {
+		m.adjustFleet(next.m-prev.m, 0)
+	}
 }
 
 // Speed is one endpoint rank's factor for metrics and debugging.
@@ -152,7 +201,9 @@ func (m *Model) Speeds() []Speed {
 func (m *Model) Forget(before time.Time) {
 	m.speeds.Range(func(k, val any) bool {
 		if v := val.(*belief).v.Load(); v != nil && v.seen.Before(before) {
-			m.speeds.Delete(k)
+			if _, loaded := m.speeds.LoadAndDelete(k); loaded {
+				m.adjustFleet(-v.m, -1)
+			}
 		}
 		return true
 	})

@@ -105,6 +105,9 @@ type SpeedConfig struct {
 	Forget float64 `json:"forget"`
 	// MaxFactor bounds a sampled factor to [1/MaxFactor, MaxFactor].
 	MaxFactor float64 `json:"max_factor"`
+	// RemoteWeight is what a peer replica's outcome counts for, in local
+	// outcomes (see routing/latency Config.RemoteWeight).
+	RemoteWeight float64 `json:"remote_weight"`
 }
 
 // LatencyConfig parameterises the pooled latency fit (routing/latency).
@@ -153,7 +156,7 @@ func DefaultConfig() Config {
 		RecomputeWeight:    DefaultRecomputeWeight,
 		OverlapScoreWeight: 1,
 		DecodeWeight:       DefaultDecodeWeight,
-		Speed:              SpeedConfig{PriorSigma: lc.PriorSigma, ObsSigma: lc.ObsSigma, Forget: lc.SpeedForget, MaxFactor: lc.MaxFactor},
+		Speed:              SpeedConfig{PriorSigma: lc.PriorSigma, ObsSigma: lc.ObsSigma, Forget: lc.SpeedForget, MaxFactor: lc.MaxFactor, RemoteWeight: lc.RemoteWeight},
 		Latency:            LatencyConfig{BatchTokens: lc.BatchTokens, Forget: lc.Forget, Ridge: lc.Ridge, MemoryFull: lc.MemoryFull},
 		Affinity:           AffinityConfig{Weight: 1, OutstandingWeight: 0.1, DecayLowSeconds: 2, DecayMediumSeconds: 10, DecayHighSeconds: 60},
 	}
@@ -173,7 +176,7 @@ const (
 func (c Config) model() latency.Config {
 	return latency.Config{
 		BatchTokens: c.Latency.BatchTokens, Forget: c.Latency.Forget, Ridge: c.Latency.Ridge, MemoryFull: c.Latency.MemoryFull,
-		PriorSigma: c.Speed.PriorSigma, ObsSigma: c.Speed.ObsSigma, SpeedForget: c.Speed.Forget, MaxFactor: c.Speed.MaxFactor,
+		PriorSigma: c.Speed.PriorSigma, ObsSigma: c.Speed.ObsSigma, SpeedForget: c.Speed.Forget, MaxFactor: c.Speed.MaxFactor, RemoteWeight: c.Speed.RemoteWeight,
 	}
 }
 
@@ -202,6 +205,7 @@ func (c Config) Validate() error {
 	check("speed.obs_sigma", c.Speed.ObsSigma, 0, 10, true)
 	check("speed.forget", c.Speed.Forget, 0, 1, true)
 	check("speed.max_factor", c.Speed.MaxFactor, 1, inf, false)
+	check("speed.remote_weight", c.Speed.RemoteWeight, 0, 1, false)
 	check("latency.batch_tokens", float64(c.Latency.BatchTokens), 1, 1<<24, false)
 	check("latency.forget", c.Latency.Forget, 0, 1, true)
 	check("latency.ridge", c.Latency.Ridge, 0, 1e6, true)
@@ -308,13 +312,23 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 	// prefill time (ms) in ttft.
 	unit := 1.0
 	ttft := p.cfg.Cost == CostTTFT
-	maxOverlap := 0.0
+	maxOverlap, recompute := 0.0, 0.0
 	if ttft {
 		k := p.model.Coefficients()
 		unit = max(k.PerBatch, 0) * float64(bs) / float64(p.cfg.Latency.BatchTokens)
+		busy := 0
 		for i := range s.Candidates {
 			maxOverlap = max(maxOverlap, s.Candidates[i].EffectiveOverlap(s.TierWeights))
+			if c := &s.Candidates[i]; c.InFlight() > 0 || c.ActivePrefillTokens > 0 || c.ActiveBlocks > 0 {
+				busy++
+			}
 		}
+		// Recomputing a prefix cached elsewhere costs the fleet GPU time
+		// only when that time is contended: scale it by the share of
+		// candidates with work in flight. An idle fleet then spreads new
+		// sessions (duplicating a shared system prompt is free there); a
+		// busy one keeps conversations where their history is cached.
+		recompute = p.cfg.RecomputeWeight * unit * float64(busy) / float64(len(s.Candidates))
 	}
 	for i := range s.Candidates {
 		c := &s.Candidates[i]
@@ -323,7 +337,7 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 		if ttft {
 			e := p.model.Estimate(latency.FromCandidate(c, s.ISL, bs, s.TierWeights))
 			cost = f*e.Total + p.cfg.ImpactWeight*e.Running*f*e.Own +
-				p.cfg.RecomputeWeight*unit*(maxOverlap-c.EffectiveOverlap(s.TierWeights))
+				recompute*(maxOverlap-c.EffectiveOverlap(s.TierWeights))
 		} else {
 			cost = f*p.cfg.OverlapScoreWeight*prefillBlocks(s, c) + p.cfg.DecodeWeight*float64(c.ActiveBlocks+int64(c.NewBlocks))
 		}

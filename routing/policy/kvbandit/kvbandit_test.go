@@ -86,8 +86,15 @@ func TestTTFTCostWeighsTheWaitAgainstTheCache(t *testing.T) {
 	}
 	cfg.RecomputeWeight = 8
 	p, _ = New(cfg, nil)
+	// It weighs by the share of busy candidates: with b idle it is halved
+	// and the idle endpoint still wins; with b busy too (decodes held, no
+	// prefill queued) the cache wins.
+	if i, _ := decide(t, p, s); i != 1 {
+		t.Fatal("the recompute term counted in full with half the fleet idle")
+	}
+	cs[1].ActiveBlocks = 16
 	if i, _ := decide(t, p, s); i != 0 {
-		t.Fatal("recompute_weight 8 did not keep the request with its cache")
+		t.Fatal("recompute_weight 8 did not keep the request with its cache on a busy fleet")
 	}
 }
 
