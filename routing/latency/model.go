@@ -51,7 +51,7 @@ type Config struct {
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
 	return Config{BatchTokens: 8192, Forget: 0.998, Ridge: 2, MemoryFull: 0.9,
-		PriorSigma: 0.15, ObsSigma: 0.35, SpeedForget: 0.9, MaxFactor: 8, RemoteWeight: 0}
+		PriorSigma: 0.15, ObsSigma: 0.35, SpeedForget: 0.9, MaxFactor: 8, RemoteWeight: 1}
 }
 
 // Validate checks the parameters, naming the bad field.

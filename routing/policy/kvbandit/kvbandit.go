@@ -316,20 +316,18 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 	if ttft {
 		k := p.model.Coefficients()
 		unit = max(k.PerBatch, 0) * float64(bs) / float64(p.cfg.Latency.BatchTokens)
-		busy := 0
 		for i := range s.Candidates {
 			maxOverlap = max(maxOverlap, s.Candidates[i].EffectiveOverlap(s.TierWeights))
-			if c := &s.Candidates[i]; c.InFlight() > 0 || c.ActivePrefillTokens > 0 || c.ActiveBlocks > 0 {
-				busy++
-			}
 		}
-		// Recomputing a prefix cached elsewhere costs the fleet GPU time
-		// only when that time is contended: scale it by the share of
-		// candidates with work in flight. An idle fleet then spreads new
-		// sessions (duplicating a shared system prompt is free there); a
-		// busy one keeps conversations where their history is cached.
-		recompute = p.cfg.RecomputeWeight * unit * float64(busy) / float64(len(s.Candidates))
+		// With prefix hints the policy knows whose cache it is: a new
+		// session pays nothing (what it shares with others, a system
+		// prompt, is popular and worth copying; its own history will be
+		// cached wherever it starts). See recomputes for the rest.
+		if !hasSess || sess.Last != "" {
+			recompute = p.cfg.RecomputeWeight * unit
+		}
 	}
+	inSession := hasSess && sess.Last != ""
 	for i := range s.Candidates {
 		c := &s.Candidates[i]
 		f := p.model.Draw(c, rng, !placing)
@@ -337,7 +335,7 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 		if ttft {
 			e := p.model.Estimate(latency.FromCandidate(c, s.ISL, bs, s.TierWeights))
 			cost = f*e.Total + p.cfg.ImpactWeight*e.Running*f*e.Own +
-				recompute*(maxOverlap-c.EffectiveOverlap(s.TierWeights))
+				recomputes(c, inSession)*recompute*(maxOverlap-c.EffectiveOverlap(s.TierWeights))
 		} else {
 			cost = f*p.cfg.OverlapScoreWeight*prefillBlocks(s, c) + p.cfg.DecodeWeight*float64(c.ActiveBlocks+int64(c.NewBlocks))
 		}
@@ -379,6 +377,20 @@ func (p *Policy) Predict(s *routing.Scoring) []routing.Prediction {
 		out[i] = p.model.Predict(c, latency.FromCandidate(c, s.ISL, s.BlockSize, s.TierWeights))
 	}
 	return out
+}
+
+// recomputes reports whether recomputing a prefix cached elsewhere counts
+// against c (1) or not (0). It costs the fleet GPU time only where that
+// time is contended: an idle candidate's time is free, so a burst that
+// shares a prompt still reaches idle workers, while on a busy fleet
+// conversations stay where their history is cached. A session in progress
+// pays everywhere: its history is its own, so moving it duplicates cache
+// that only it will reuse.
+func recomputes(c *routing.Candidate, inSession bool) float64 {
+	if inSession || c.InFlight() > 0 || c.ActivePrefillTokens > 0 || c.ActiveBlocks > 0 {
+		return 1
+	}
+	return 0
 }
 
 // prefillBlocks is the prefill work on c if the request goes there: its
