@@ -38,13 +38,12 @@ type Config struct {
 	// [1/MaxFactor, MaxFactor].
 	MaxFactor float64 `json:"max_factor"`
 	// RemoteWeight is what one peer replica's outcome counts for in an
-	// endpoint's factor, in local outcomes (0, the default: peers teach
-	// the factors nothing; 1: as much as a local one). A peer's outcome
+	// endpoint's factor, in local outcomes (1, the default: as much as a
+	// local one; 0: peers teach the factors nothing). A peer's outcome
 	// lacks the running sequences and scraped load at its decision, so its
-	// ratio to the pooled fit is noisier, and with R replicas R−1 of every
-	// R outcomes are a peer's: at full weight they set the factor's memory
-	// (measured in docs/bench.md "Replicas": 4 synced replicas on Mooncake,
-	// p90 1.03 s at 1, 784 ms at 0).
+	// ratio to the pooled fit is noisier; but replicas that learn their
+	// factors apart disagree about the workers and split sessions between
+	// them (docs/bench.md "Replicas" has both measured).
 	RemoteWeight float64 `json:"remote_weight"`
 }
 
