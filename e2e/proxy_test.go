@@ -88,10 +88,12 @@ func TestProxySDKThroughBinary(t *testing.T) {
 		t.Fatalf("completion: %+v %v", comp, err)
 	}
 
-	// A session announced by header stays on one worker.
+	// A session announced by header stays on one worker. It announces six
+	// requests: five turns, then the /v1/route below asks where the sixth
+	// would go (past its announced total a request starts afresh).
 	var served []string
 	history := "You are an agent. "
-	agent := sdk(t, base, option.WithHeader("x-prefix-id", "agent-7"), option.WithHeader("x-prefix-total-requests", "5"))
+	agent := sdk(t, base, option.WithHeader("x-prefix-id", "agent-7"), option.WithHeader("x-prefix-total-requests", "6"))
 	for turn := range 5 {
 		history += fmt.Sprintf("Turn %d: look up the weather in city number %d and summarise it. ", turn, turn)
 		var resp *http.Response
