@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"strings"
 	"testing"
@@ -121,9 +122,23 @@ func TestProxySDKThroughBinary(t *testing.T) {
 		Scores        map[string]float64 `json:"scores"`
 		OverlapBlocks int                `json:"overlap_blocks"`
 		Tokens        int                `json:"tokens"`
+		Predicted     map[string]struct {
+			TTFT    float64 `json:"predicted_ttft_ms"`
+			Wait    float64 `json:"wait_ms"`
+			Prefill float64 `json:"prefill_ms"`
+		} `json:"predicted"`
 	}
 	if r.status != 200 || json.Unmarshal(r.body, &route) != nil || route.Endpoint != served[0] || len(route.Scores) != 3 || route.Tokens == 0 {
 		t.Fatalf("route: %d %s", r.status, r.body)
+	}
+	// kvbandit predicts every candidate's time to first token: wait + prefill.
+	if len(route.Predicted) != 3 {
+		t.Fatalf("route: predictions for %d candidates, want 3: %s", len(route.Predicted), r.body)
+	}
+	for ep, pr := range route.Predicted {
+		if !(pr.TTFT > 0) || math.Abs(pr.TTFT-(pr.Wait+pr.Prefill)) > 1e-6*pr.TTFT {
+			t.Errorf("route: %s predicted %+v, want TTFT = wait + prefill > 0", ep, pr)
+		}
 	}
 
 	// Errors come back as the SDK's API errors.

@@ -28,6 +28,11 @@ type RouteResponse struct {
 	// score (round_robin, random); a non-finite score is left out. Keyed by "ip:port", or "ip:port#rank"
 	// for data-parallel ranks.
 	Scores map[string]float64 `json:"scores"`
+	// Predicted is each candidate's predicted time to first token and its
+	// parts (wait for the work ahead, prefill of the uncached tokens, delay
+	// added to the sequences decoding there), in milliseconds, keyed as
+	// Scores; empty for policies that do not predict.
+	Predicted map[string]routing.Predicted `json:"predicted,omitempty"`
 	// OverlapBlocks is the chosen endpoint's predicted number of cached
 	// prefix blocks.
 	OverlapBlocks int `json:"overlap_blocks"`
@@ -74,6 +79,12 @@ func (p *Proxy) route(w http.ResponseWriter, r *http.Request) {
 		if !math.IsNaN(s.Score) && !math.IsInf(s.Score, 0) { // JSON has no infinities
 			out.Scores[scoreKey(s)] = s.Score
 		}
+		if s.Predicted != nil && finite(*s.Predicted) {
+			if out.Predicted == nil {
+				out.Predicted = make(map[string]routing.Predicted, len(d.Scores))
+			}
+			out.Predicted[scoreKey(s)] = *s.Predicted
+		}
 	}
 	js, err := json.Marshal(&out)
 	if err != nil {
@@ -92,4 +103,14 @@ func scoreKey(s routing.Score) string {
 		return string(s.Endpoint)
 	}
 	return string(s.Endpoint) + "#" + strconv.Itoa(s.DPRank)
+}
+
+// finite reports whether every part of p can be written as JSON.
+func finite(p routing.Predicted) bool {
+	for _, v := range [...]float64{p.PredictedTTFTMs, p.WaitMs, p.PrefillMs, p.ImpactMs} {
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			return false
+		}
+	}
+	return true
 }
