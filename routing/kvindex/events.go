@@ -123,7 +123,9 @@ func (ix *Index) Apply(w WorkerID, ev Event) error {
 	return fmt.Errorf("%w: kind %v", ErrInvalidEvent, ev.Kind)
 }
 
-func (ix *Index) applyStored(wk *worker, ev *Event) error {
+// checkBlockSizes rejects (and counts) a stored event whose block size is
+// not positive or one of whose blocks does not hold exactly that many tokens.
+func (ix *Index) checkBlockSizes(ev *Event) error {
 	if ev.BlockSize <= 0 {
 		ix.rejected.Add(1)
 		return fmt.Errorf("%w: stored event with block size %d", ErrBlockSize, ev.BlockSize)
@@ -134,6 +136,13 @@ func (ix *Index) applyStored(wk *worker, ev *Event) error {
 			return fmt.Errorf("%w: block %d of %d has %d tokens, block size is %d",
 				ErrBlockSize, i, len(ev.Blocks), len(b.Tokens), ev.BlockSize)
 		}
+	}
+	return nil
+}
+
+func (ix *Index) applyStored(wk *worker, ev *Event) error {
+	if err := ix.checkBlockSizes(ev); err != nil {
+		return err
 	}
 	if err := checkDistinct(ev); err != nil {
 		ix.rejected.Add(1)

@@ -83,16 +83,8 @@ func (ix *Index) applyLowerStored(wk *worker, ev *Event) error {
 	if len(ev.Blocks) > 0 && len(ev.Blocks[0].Tokens) > 0 {
 		// A publisher that sends the tokens (SGLang HiCache, Dynamo
 		// KVBM): keys are computed as for the GPU.
-		if ev.BlockSize <= 0 {
-			ix.rejected.Add(1)
-			return fmt.Errorf("%w: stored event with block size %d", ErrBlockSize, ev.BlockSize)
-		}
-		for i, b := range ev.Blocks {
-			if len(b.Tokens) != ev.BlockSize {
-				ix.rejected.Add(1)
-				return fmt.Errorf("%w: block %d of %d has %d tokens, block size is %d",
-					ErrBlockSize, i, len(ev.Blocks), len(b.Tokens), ev.BlockSize)
-			}
+		if err := ix.checkBlockSizes(ev); err != nil {
+			return err
 		}
 		var key uint64
 		if ev.HasParent {
