@@ -319,6 +319,39 @@ func TestProxyBufferBudget(t *testing.T) {
 	f.out.wait(t, 1)
 }
 
+// TestProxyRefusalReachesASendingClient: a request refused part-way
+// through its body (here: the buffer budget) is answered, and the
+// connection then ends with a close, not a reset: closing with unread bytes
+// makes the kernel reset the connection, and a client still writing its
+// body (Go's client, seen once in CI) reports "write: connection reset by
+// peer" instead of the 503. The proxy drains for a bounded time first.
+func TestProxyRefusalReachesASendingClient(t *testing.T) {
+	budget := extproc.NewBudget(64 << 10)
+	f := newFixture(t, options{workers: 1, budget: budget, cfg: proxy.Config{DecisionTimeout: 10 * time.Second}})
+	for i := range 5 {
+		c := dialRaw(t, f.url)
+		const size = 200 << 10
+		c.send(t, "POST", "/v1/chat/completions", "Content-Type: application/json", fmt.Sprintf("Content-Length: %d", size))
+		// The whole body, written at once; the write may fail once the
+		// proxy has closed, but the answer must be there to read.
+		_, _ = c.Write(bytes.Repeat([]byte(" "), size))
+		resp, b, err := c.response(5 * time.Second)
+		if err != nil {
+			t.Fatalf("request %d: no answer: %v", i, err)
+		}
+		if resp.StatusCode != http.StatusServiceUnavailable || errorCode(t, resp, b) != "server_busy" {
+			t.Fatalf("request %d: got %d %s, want 503 server_busy", i, resp.StatusCode, b)
+		}
+		// The proxy ends the connection with a close, not a reset.
+		_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+		if n, err := c.r.Read(make([]byte, 1)); n != 0 || !errors.Is(err, io.EOF) {
+			t.Fatalf("request %d: after the refusal: %d, %v, want a clean close (EOF)", i, n, err)
+		}
+		c.Close()
+	}
+	waitFor(t, 5*time.Second, "budget back to 0", func() bool { return budget.Used() == 0 })
+}
+
 // TestProxyHostilePaths: paths are decoded once, refused when they hide
 // separators or dot segments, cleaned, and must stay under /v1/; the worker
 // only ever sees the cleaned path.

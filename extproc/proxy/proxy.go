@@ -314,20 +314,31 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	p.forward(w, r, clean, kind, class)
 }
 
-// closeUnread makes net/http close an HTTP/1 connection right after the
-// reply instead of draining the request body the proxy did not read
-// (net/http reads up to 256 KiB of it, with no deadline, before it lets go
-// of the connection): "Connection: close", and a read deadline in the past
-// so the drain fails at once. A client that declared a body and sends it
-// slowly, or never, thus cannot hold a refusal back or keep the
-// connection. HTTP/2 needs neither (the server resets the stream; there
-// "Connection: close" would end every stream of the connection).
+// closeUnread makes net/http close an HTTP/1 connection soon after the
+// reply instead of draining the request body the proxy did not read for as
+// long as the client likes (net/http reads up to 256 KiB of it, with no
+// deadline of its own, before it lets go of the connection):
+// "Connection: close", and a read deadline refuseLinger from now. The
+// reply is written before net/http drains, so the deadline never holds a
+// refusal back; it only bounds how long the connection stays. Draining
+// that long (rather than closing at once) lets a client that is still
+// sending its body finish and read the refusal: closing with unread bytes
+// makes the kernel reset the connection, and a client then sees "connection
+// reset" instead of the 503. A client that sends slowly, or never, holds
+// the connection for refuseLinger at most. HTTP/2 needs neither (the server
+// resets the stream; there "Connection: close" would end every stream of
+// the connection).
 func closeUnread(w http.ResponseWriter, r *http.Request) {
 	if r.ProtoMajor == 1 && r.ContentLength != 0 {
 		w.Header().Set("Connection", "close")
-		_ = http.NewResponseController(w).SetReadDeadline(time.Now())
+		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(refuseLinger))
 	}
 }
+
+// refuseLinger bounds the drain of a refused request's unread body (Go's
+// own server waits as long before it closes a connection it gave up
+// draining).
+const refuseLinger = 500 * time.Millisecond
 
 // fail answers err as an OpenAI-style error and counts the request.
 func (p *Proxy) fail(w http.ResponseWriter, path string, err error) {
