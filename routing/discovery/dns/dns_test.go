@@ -386,3 +386,26 @@ func TestSetsWithoutNamesPassThrough(t *testing.T) {
 		t.Errorf("%d lookups for a set without names", calls)
 	}
 }
+
+// TestAFailingNameKeepsItsAddressesInNewSets checks that the last good
+// addresses are really kept (not merely left unpublished): another name's
+// change publishes a new set, and it still holds the failing name's
+// addresses.
+func TestAFailingNameKeepsItsAddressesInNewSets(t *testing.T) {
+	res := newFakeResolver()
+	res.set("a", "10.0.0.1", "10.0.0.2")
+	res.set("b", "10.0.1.1")
+	h := start(t, dns.Config{}, res, routing.Endpoint{Key: "a:1"}, routing.Endpoint{Key: "b:1"})
+	if set, derr := h.sink.round(t); derr != nil || len(keys(set)) != 3 {
+		t.Fatalf("first round: %v %v", keys(set), derr)
+	}
+	res.fail("a", &net.DNSError{Err: "i/o timeout", Name: "a", IsTimeout: true})
+	res.set("b", "10.0.1.2")
+	set, derr := h.refresh(t)
+	if derr == nil || !slices.Equal(keys(set), []string{"10.0.0.1:1", "10.0.0.2:1", "10.0.1.2:1"}) {
+		t.Fatalf("a failing, b changed: %v %v", keys(set), derr)
+	}
+	if got := counter(t, h.reg, "kvbandit_dns_resolutions_total", dns.ResultTimeout); got != 1 {
+		t.Errorf("timeouts = %v", got)
+	}
+}
