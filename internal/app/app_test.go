@@ -66,8 +66,8 @@ func TestVersionAndUsage(t *testing.T) {
 
 func TestServeFlagValidation(t *testing.T) {
 	cases := [][]string{
-		{},                              // no workers
-		{"--endpoints", "localhost:80"}, // not an IP
+		{},                                // no workers
+		{"--endpoints", "local..host:80"}, // neither an IP nor a host name
 		{"--endpoints", "127.0.0.1:1", "--max-body-bytes", "0"},
 		{"--endpoints", "127.0.0.1:1", "--max-inflight", "-1"},
 		{"--endpoints", "127.0.0.1:1", "--fallbacks", "-1"},
