@@ -486,7 +486,11 @@ func TestRenderRejectsBadOptions(t *testing.T) {
 		{"nil endpoint list", envoy.RenderOptions{}},
 		{"empty endpoint list", envoy.RenderOptions{Endpoints: []string{}}},
 		{"empty entry", envoy.RenderOptions{Endpoints: []string{"127.0.0.1:8001", ""}}},
-		{"host name", envoy.RenderOptions{Endpoints: []string{"localhost:8000"}}},
+		{"bad host name", envoy.RenderOptions{Endpoints: []string{"bad..name:8000"}}},
+		{"host name with a space", envoy.RenderOptions{Endpoints: []string{"a b:8000"}}},
+		{"host name label over 63", envoy.RenderOptions{Endpoints: []string{strings.Repeat("a", 64) + ":8000"}}},
+		{"duplicate host name", envoy.RenderOptions{Endpoints: []string{"workers:8000", "Workers:8000"}}},
+		{"DNS refresh over 1h", envoy.RenderOptions{Endpoints: []string{"workers:8000"}, DNSRefresh: 2 * time.Hour}},
 		{"no port", envoy.RenderOptions{Endpoints: []string{"10.0.0.1"}}},
 		{"port 0", envoy.RenderOptions{Endpoints: []string{"10.0.0.1:0"}}},
 		{"port too large", envoy.RenderOptions{Endpoints: []string{"10.0.0.1:65536"}}},
@@ -520,6 +524,38 @@ func TestRenderRejectsBadOptions(t *testing.T) {
 				t.Errorf("Render returned output with an error")
 			}
 		})
+	}
+}
+
+// TestRenderHostNamesMakeAStrictDNSCluster: with a worker named by DNS the
+// workers cluster is STRICT_DNS (both address families, kvbandit's refresh
+// rate) and still passes Validate; literal addresses alone keep it STATIC.
+func TestRenderHostNamesMakeAStrictDNSCluster(t *testing.T) {
+	out, err := envoy.Render(envoy.RenderOptions{Endpoints: []string{"10.0.0.1:8000", "Workers.LLM.svc:8000"}, DNSRefresh: 30 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := cluster(t, decode(t, out), "inference_pool")
+	if c.GetType() != clusterv3.Cluster_STRICT_DNS || c.GetDnsRefreshRate().AsDuration() != 30*time.Second || c.GetDnsLookupFamily() != clusterv3.Cluster_ALL {
+		t.Fatalf("cluster type %v, refresh %v, family %v", c.GetType(), c.GetDnsRefreshRate().AsDuration(), c.GetDnsLookupFamily())
+	}
+	var hosts []string
+	for _, lbe := range c.GetLoadAssignment().GetEndpoints()[0].GetLbEndpoints() {
+		sa := lbe.GetEndpoint().GetAddress().GetSocketAddress()
+		hosts = append(hosts, fmt.Sprintf("%s:%d", sa.GetAddress(), sa.GetPortValue()))
+	}
+	if !slices.Equal(hosts, []string{"10.0.0.1:8000", "workers.llm.svc:8000"}) {
+		t.Errorf("hosts %v", hosts)
+	}
+	if !strings.Contains(string(out), "--endpoints 10.0.0.1:8000,workers.llm.svc:8000 ") || !strings.Contains(string(out), "--dns-refresh 30s") {
+		t.Error("the serve command line in the header does not match")
+	}
+	out, err = envoy.Render(envoy.ExampleOptions(envoy.FullDuplex))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := cluster(t, decode(t, out), "inference_pool"); c.GetType() != clusterv3.Cluster_STATIC {
+		t.Errorf("literal addresses: cluster type %v", c.GetType())
 	}
 }
 

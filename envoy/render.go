@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"strconv"
 	"strings"
@@ -53,18 +54,25 @@ const (
 	DefaultAdminAddr      = "127.0.0.1:9901"
 	DefaultMaxBodyBytes   = 16 << 20
 	DefaultMessageTimeout = 35 * time.Second
+	DefaultDNSRefresh     = 5 * time.Second
 )
 
 // maxMessageTimeout is the protoc-gen-validate bound of ExternalProcessor.message_timeout.
 const maxMessageTimeout = time.Hour
 
-// RenderOptions describe one deployment. Only Endpoints is required; every address is a literal
-// "ip:port", IPv6 in brackets ("[::1]:8000"), because the clusters are STATIC.
+// RenderOptions describe one deployment. Only Endpoints is required.
 type RenderOptions struct {
 	// Endpoints are the inference workers, in the order given to kvbandit's --endpoints. They
 	// become the load_assignment of cluster inference_pool; override_host only routes to hosts
-	// listed there. Must be non-empty, without duplicates.
+	// listed there. Must be non-empty, without duplicates. Each is a literal "ip:port" (IPv6 in
+	// brackets, "[::1]:8000") or "name:port" with a DNS host name. With only literals the
+	// cluster is STATIC; with any name it is STRICT_DNS: Envoy resolves each name as kvbandit
+	// does (every A/AAAA address a host, both families, re-resolved every DNSRefresh), so the
+	// IPs kvbandit picks are hosts of the cluster.
 	Endpoints []string
+	// DNSRefresh is the STRICT_DNS cluster's dns_refresh_rate; keep it equal to kvbandit's
+	// --dns-refresh. Default DefaultDNSRefresh (Envoy's own default); at most one hour.
+	DNSRefresh time.Duration
 	// ExtProcAddr is where Envoy reaches kvbandit's ext_proc server (--grpc-addr).
 	// Default DefaultExtProcAddr.
 	ExtProcAddr string
@@ -104,6 +112,9 @@ type hostPort struct {
 
 type templateData struct {
 	Buffered       bool
+	StrictDNS      bool   // some endpoint is a host name
+	DNSRefresh     string // dns_refresh_rate
+	DNSRefreshFlag string // the --dns-refresh value
 	Endpoints      []hostPort
 	EndpointList   string // the --endpoints value
 	ExtProc        hostPort
@@ -152,21 +163,33 @@ func (o RenderOptions) templateData() (templateData, error) {
 	if len(o.Endpoints) == 0 {
 		return d, fmt.Errorf("%w: no endpoints: list the workers (the same as kvbandit's --endpoints)", ErrOptions)
 	}
-	seen := map[netip.AddrPort]bool{}
+	seen := map[string]bool{}
 	list := make([]string, 0, len(o.Endpoints))
 	for i, e := range o.Endpoints {
-		ap, err := parseAddrPort(e)
+		hp, err := parseEndpoint(e)
 		if err != nil {
 			return d, fmt.Errorf("%w: endpoint %d: %v", ErrOptions, i, err)
 		}
-		if seen[ap] {
-			return d, fmt.Errorf("%w: endpoint %d: duplicate %s", ErrOptions, i, ap)
+		if seen[hp.Addr] {
+			return d, fmt.Errorf("%w: endpoint %d: duplicate %s", ErrOptions, i, hp.Addr)
 		}
-		seen[ap] = true
-		d.Endpoints = append(d.Endpoints, toHostPort(ap))
-		list = append(list, ap.String())
+		seen[hp.Addr] = true
+		if _, err := netip.ParseAddr(hp.IP); err != nil {
+			d.StrictDNS = true
+		}
+		d.Endpoints = append(d.Endpoints, hp)
+		list = append(list, hp.Addr)
 	}
 	d.EndpointList = strings.Join(list, ",")
+	refresh := o.DNSRefresh
+	if refresh == 0 {
+		refresh = DefaultDNSRefresh
+	}
+	if refresh < time.Millisecond || refresh > time.Hour {
+		return d, fmt.Errorf("%w: DNSRefresh %v is outside 1ms..1h", ErrOptions, o.DNSRefresh)
+	}
+	d.DNSRefresh = strconv.FormatFloat(refresh.Seconds(), 'f', -1, 64) + "s"
+	d.DNSRefreshFlag = refresh.String()
 
 	extProc, err := addrOption("ExtProcAddr", o.ExtProcAddr, DefaultExtProcAddr)
 	if err != nil {
@@ -243,6 +266,35 @@ func parseAddrPort(s string) (netip.AddrPort, error) {
 		return netip.AddrPort{}, fmt.Errorf("%q: port 0", s)
 	}
 	return ap, nil
+}
+
+// parseEndpoint accepts a worker address: a literal as parseAddrPort does, or "name:port" with a
+// DNS host name of at most 253 bytes, labels of 1..63 letters, digits, '-' or '_' (lower-cased).
+func parseEndpoint(s string) (hostPort, error) {
+	if ap, err := parseAddrPort(s); err == nil {
+		return toHostPort(ap), nil
+	} else if _, perr := netip.ParseAddrPort(s); perr == nil {
+		return hostPort{}, err // a literal with a zone or port 0
+	}
+	host, port, err := net.SplitHostPort(s)
+	if err != nil {
+		return hostPort{}, fmt.Errorf("%q is not ip:port or name:port: %v", s, err)
+	}
+	p, err := strconv.ParseUint(port, 10, 16)
+	if err != nil || p == 0 {
+		return hostPort{}, fmt.Errorf("%q: port must be 1..65535", s)
+	}
+	name := strings.ToLower(strings.TrimSuffix(host, "."))
+	labels := strings.Split(name, ".")
+	valid := name != "" && len(name) <= 253 && strings.Trim(labels[len(labels)-1], "0123456789") != ""
+	for _, l := range labels {
+		valid = valid && l != "" && len(l) <= 63 && l[0] != '-' && l[len(l)-1] != '-' &&
+			strings.Trim(l, "abcdefghijklmnopqrstuvwxyz0123456789-_") == ""
+	}
+	if !valid {
+		return hostPort{}, fmt.Errorf("%q: host is neither an IP literal nor a valid DNS name", s)
+	}
+	return hostPort{IP: name, Port: uint16(p), Addr: net.JoinHostPort(name, port)}, nil
 }
 
 func toHostPort(ap netip.AddrPort) hostPort {

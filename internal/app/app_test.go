@@ -66,8 +66,8 @@ func TestVersionAndUsage(t *testing.T) {
 
 func TestServeFlagValidation(t *testing.T) {
 	cases := [][]string{
-		{},                              // no workers
-		{"--endpoints", "localhost:80"}, // not an IP
+		{},                                // no workers
+		{"--endpoints", "local..host:80"}, // neither an IP nor a host name
 		{"--endpoints", "127.0.0.1:1", "--max-body-bytes", "0"},
 		{"--endpoints", "127.0.0.1:1", "--max-inflight", "-1"},
 		{"--endpoints", "127.0.0.1:1", "--fallbacks", "-1"},
@@ -123,7 +123,14 @@ func TestEnvoyConfigCommand(t *testing.T) {
 	if !strings.Contains(out, "BUFFERED") || !strings.Contains(out, "fd00::1") {
 		t.Fatal("rendered config lacks the requested settings")
 	}
-	for _, bad := range [][]string{{}, {"--endpoints", "host:1"}, {"--endpoints", "10.0.0.1:1", "--body-mode", "x"}} {
+	out, _, err = run(t, "envoy-config", "--endpoints", "10.0.0.1:8000,workers.llm.svc:8000", "--dns-refresh", "10s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out, "type: STRICT_DNS") || !strings.Contains(out, "dns_refresh_rate: 10s") || !strings.Contains(out, `"workers.llm.svc"`) {
+		t.Fatal("a host name did not make a STRICT_DNS cluster")
+	}
+	for _, bad := range [][]string{{}, {"--endpoints", "bad..host:1"}, {"--endpoints", "host:1", "--dns-refresh", "-1s"}, {"--endpoints", "10.0.0.1:1", "--body-mode", "x"}} {
 		if _, _, err := run(t, append([]string{"envoy-config"}, bad...)...); ExitCode(err) != 2 {
 			t.Errorf("%v: %v", bad, err)
 		}

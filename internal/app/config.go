@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/admission"
+	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy"
@@ -140,6 +141,21 @@ type DiscoveryConfig struct {
 	Kube *KubeDiscoveryConfig `json:"kube,omitempty"`
 	// EDS serves the endpoint set to Envoy as its workers cluster.
 	EDS *EDSConfig `json:"eds,omitempty"`
+	// DNS paces and bounds the resolution of endpoint host names.
+	DNS *DNSConfig `json:"dns,omitempty"`
+}
+
+// DNSConfig is routing/discovery/dns's configuration; zero fields take its
+// defaults (refresh 5 s, as Envoy's dns_refresh_rate; timeout 5 s; 64
+// addresses per name).
+type DNSConfig struct {
+	// RefreshSecs is how often names are resolved again (--dns-refresh
+	// wins).
+	RefreshSecs float64 `json:"refresh_secs"`
+	// TimeoutSecs bounds one lookup.
+	TimeoutSecs float64 `json:"timeout_secs"`
+	// MaxAddresses is the most addresses kept per name.
+	MaxAddresses int `json:"max_addresses"`
 }
 
 // FileDiscoveryConfig is the file source.
@@ -262,8 +278,8 @@ func ParseConfig(raw []byte) (*FileConfig, error) {
 // Validate checks every section, naming the bad field.
 func (c *FileConfig) Validate() error {
 	if len(c.Endpoints) > 0 {
-		set := routing.EndpointSet{Source: "config", Endpoints: c.Endpoints}
-		if err := set.Validate(); err != nil {
+		// Addresses may be host names (resolved by routing/discovery/dns).
+		if err := discovery.CheckSet(c.Endpoints); err != nil {
 			return fmt.Errorf("endpoints: %w", err)
 		}
 	}
@@ -351,6 +367,9 @@ func (d *DiscoveryConfig) validate(static bool) error {
 	}
 	if sources > 1 {
 		return fmt.Errorf("discovery: give one source of endpoints (endpoints, discovery.file, discovery.etcd or discovery.kube)")
+	}
+	if n := d.DNS; n != nil && (!(n.RefreshSecs >= 0) || !(n.TimeoutSecs >= 0) || n.MaxAddresses < 0 || n.MaxAddresses > routing.MaxEndpoints) {
+		return fmt.Errorf("discovery.dns: refresh_secs and timeout_secs must be >= 0, max_addresses in 0..%d", routing.MaxEndpoints)
 	}
 	if d.EDS != nil && d.EDS.Addr == "" {
 		return fmt.Errorf("discovery.eds.addr: must not be empty")

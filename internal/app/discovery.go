@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
+	"github.com/kvbandit/kvbandit/routing/discovery/dns"
 	"github.com/kvbandit/kvbandit/routing/discovery/eds"
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
 	"github.com/kvbandit/kvbandit/routing/discovery/kube"
@@ -31,7 +32,7 @@ func discoverySources(o ServeOptions, c *FileConfig, log *slog.Logger) (static *
 		if static != nil {
 			return nil, nil, nil, errors.New("give endpoints in --endpoints or in the config file, not both")
 		}
-		s, err := routing.ParseEndpointList(o.Endpoints)
+		s, err := discovery.ParseEndpointList(o.Endpoints)
 		if err != nil {
 			return nil, nil, nil, err
 		}
@@ -81,7 +82,36 @@ func discoverySources(o ServeOptions, c *FileConfig, log *slog.Logger) (static *
 	case n > 1:
 		return nil, nil, nil, errors.New("give one source of endpoints: --endpoints, --endpoints-file, the config's endpoints, or one discovery source")
 	}
+	if static != nil && discovery.HasNames(static.Endpoints) {
+		// Names are resolved in the background (withDNS), like the
+		// records of the dynamic sources.
+		sources, static = []discovery.Source{discovery.Static{Set: *static}}, nil
+	}
 	return static, sources, obj, nil
+}
+
+// withDNS wraps every source so that records naming their host by DNS
+// name become one endpoint per address (routing/discovery/dns), re-resolved
+// every --dns-refresh (else the config's discovery.dns.refresh_secs).
+func withDNS(o ServeOptions, c *FileConfig, log *slog.Logger, reg prometheus.Registerer, sources []discovery.Source) error {
+	if len(sources) == 0 {
+		return nil
+	}
+	cfg := dns.Config{Refresh: o.DNSRefresh}
+	if d := c.Discovery.DNS; d != nil {
+		if _, ok := o.set["dns-refresh"]; !ok && d.RefreshSecs > 0 {
+			cfg.Refresh = secs(d.RefreshSecs)
+		}
+		cfg.Timeout, cfg.MaxAddrs = secs(d.TimeoutSecs), d.MaxAddresses
+	}
+	x, err := dns.New(cfg, dns.Deps{Logger: log, Registry: reg})
+	if err != nil {
+		return err
+	}
+	for i, s := range sources {
+		sources[i] = x.Wrap(s)
+	}
+	return nil
 }
 
 // kubeSource is the Kubernetes source of --pool-name/--kube-selector and

@@ -89,7 +89,7 @@ func (o *registerOptions) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.etcd.TLS.Cert, "etcd-cert", "", "PEM client certificate for etcd (with --etcd-key)")
 	fs.StringVar(&o.etcd.TLS.Key, "etcd-key", "", "PEM client key for etcd")
 	fs.StringVar(&o.id, "id", "", "record id, the last element of the key (default: the host name)")
-	fs.StringVar(&o.address, "address", "", "the worker's ip:port as the router reaches it (required unless --record has it)")
+	fs.StringVar(&o.address, "address", "", "the worker's ip:port (or name:port, resolved by the router into one endpoint per address) as the router reaches it (required unless --record has it)")
 	fs.StringVar(&o.healthURL, "health-url", "", "URL that answers 200 when the worker is ready (default http://<address>/health)")
 	fs.DurationVar(&o.healthInterval, "health-interval", time.Second, "how often to poll --health-url while waiting")
 	fs.DurationVar(&o.healthTimeout, "health-timeout", 10*time.Minute, "how long to wait for the worker to become healthy before giving up (0: forever)")

@@ -50,7 +50,7 @@ func TestRegisterFlagValidation(t *testing.T) {
 		"no etcd":          {"--address", "10.0.0.1:8000"},
 		"empty etcd":       {"--etcd-endpoints", " , ", "--address", "10.0.0.1:8000"},
 		"no address":       {"--etcd-endpoints", "127.0.0.1:2379"},
-		"host name":        {"--etcd-endpoints", "127.0.0.1:2379", "--address", "worker:8000"},
+		"bad host name":    {"--etcd-endpoints", "127.0.0.1:2379", "--address", "wor..ker:8000"},
 		"no port":          {"--etcd-endpoints", "127.0.0.1:2379", "--address", "10.0.0.1"},
 		"engine":           append(base[:4:4], "--engine", "tgi"),
 		"negative block":   append(base[:4:4], "--block-size", "-16"),

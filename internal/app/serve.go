@@ -29,6 +29,7 @@ import (
 	"github.com/kvbandit/kvbandit/internal/tlsconfig"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
+	"github.com/kvbandit/kvbandit/routing/discovery/dns"
 	"github.com/kvbandit/kvbandit/routing/discovery/eds"
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
 	"github.com/kvbandit/kvbandit/routing/policy"
@@ -56,6 +57,7 @@ type ServeOptions struct {
 	MetricsAddr        string
 	HTTPAddr           string
 	Endpoints          string
+	DNSRefresh         time.Duration
 	EndpointsFile      string
 	EDSAddr            string
 	EtcdEndpoints      string
@@ -123,7 +125,8 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.HealthAddr, "health-addr", ":9003", "gRPC health listen address (services liveness, readiness, "+healthExtProc+")")
 	fs.StringVar(&o.MetricsAddr, "metrics-addr", ":9090", "Prometheus /metrics and /debug admin listen address; empty disables")
 	fs.StringVar(&o.HTTPAddr, "http-addr", "", "standalone OpenAI-compatible proxy (POST /v1/chat/completions, /v1/completions, other /v1/* passed through, POST /v1/route) routing in-process; off when empty")
-	fs.StringVar(&o.Endpoints, "endpoints", "", "static workers \"ip:port[,ip:port...]\" (the same list as the Envoy cluster's hosts)")
+	fs.StringVar(&o.Endpoints, "endpoints", "", "static workers \"host:port[,host:port...]\" (the same list as the Envoy cluster's hosts); a host is an IP or a DNS name, re-resolved every --dns-refresh, every A/AAAA address an endpoint")
+	fs.DurationVar(&o.DNSRefresh, "dns-refresh", dns.DefaultRefresh, "how often endpoint host names (--endpoints, endpoints file, etcd records, config endpoints) are resolved again (Envoy's dns_refresh_rate default); a failed lookup keeps the name's last addresses")
 	fs.StringVar(&o.EndpointsFile, "endpoints-file", "", "YAML/JSON file of endpoint records (address, models, engine, block_size, kv_events, ...), reloaded on change")
 	fs.StringVar(&o.EDSAddr, "eds-addr", "", "serve the endpoint set to Envoy over xDS EDS on this address (envoy/eds.yaml; e.g. "+eds.DefaultAddr+"); a new endpoint is picked only after the connected Envoys acknowledged it")
 	fs.StringVar(&o.EtcdEndpoints, "etcd-endpoints", "", "discover workers from etcd (comma list of host:port); records under <prefix>/<pool>/endpoints/<id>, written by `kvbandit register` (TLS and auth: the config's discovery.etcd)")
@@ -208,6 +211,9 @@ func (o *ServeOptions) Validate() error {
 	}
 	if o.Endpoints == "" && o.ConfigPath == "" && o.EndpointsFile == "" && o.EtcdEndpoints == "" && o.PoolName == "" && o.KubeSelector == "" {
 		errs = append(errs, errors.New("no workers: give --endpoints, --endpoints-file, --etcd-endpoints, --pool-name, --kube-selector or --config with endpoints or a discovery source"))
+	}
+	if o.DNSRefresh < 0 {
+		errs = append(errs, errors.New("--dns-refresh must be >= 0 (0 = the default)"))
 	}
 	if o.Endpoints != "" && o.EndpointsFile != "" {
 		errs = append(errs, errors.New("give --endpoints or --endpoints-file, not both"))
@@ -370,6 +376,9 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if err := withDNS(o, &fileCfg, log, reg, sources); err != nil {
+		return err
+	}
 
 	parts, err := buildEngine(o, &fileCfg, log, reg, nil)
 	if err != nil {

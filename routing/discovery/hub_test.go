@@ -312,7 +312,7 @@ func TestDecodeRecordCanonicalises(t *testing.T) {
 		`{`:                                      discovery.ReasonMalformed,
 		`{"models":["a"]}`:                       discovery.ReasonMalformed,
 		`{"address":"10.0.0.1:80","engine":"x"}`: discovery.ReasonUnknownEngine,
-		`{"address":"host:80"}`:                  discovery.ReasonInvalid,
+		`{"address":"ho st:80"}`:                 discovery.ReasonInvalid,
 		`{"address":"10.0.0.1:80","block_size":-1}`: discovery.ReasonInvalid,
 	} {
 		if _, err := discovery.DecodeRecord([]byte(in)); discovery.SkipReason(err) != reason {

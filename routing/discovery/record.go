@@ -4,7 +4,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
+	"net/netip"
 	"slices"
+	"strconv"
+	"strings"
 
 	"github.com/kvbandit/kvbandit/routing"
 )
@@ -48,7 +52,11 @@ func DecodeRecord(data []byte) (routing.Endpoint, error) {
 }
 
 // CheckRecord validates one endpoint on its own and canonicalises its
-// address. Errors are *RecordError.
+// address. The address is a literal "ip:port" (IPv6 in brackets) or
+// "name:port" with a DNS host name (see [ParseName]); a name is
+// lower-cased, and it never reaches the routing engine: the dns package
+// (routing/discovery/dns) replaces such a record by one endpoint per
+// address the name resolves to. Errors are *RecordError.
 func CheckRecord(ep *routing.Endpoint) error {
 	if ep.Key == "" {
 		return &RecordError{ReasonMalformed, errors.New("no address")}
@@ -59,9 +67,114 @@ func CheckRecord(ep *routing.Endpoint) error {
 	if ap, err := routing.ParseAddrPort(string(ep.Key)); err == nil {
 		ep.Key = routing.EndpointKey(ap.String())
 	}
-	one := routing.EndpointSet{Endpoints: []routing.Endpoint{*ep}}
+	check := *ep
+	name, port, err := ParseName(string(ep.Key))
+	switch {
+	case err != nil:
+		return &RecordError{ReasonInvalid, err}
+	case name != "":
+		ep.Key = routing.EndpointKey(net.JoinHostPort(name, strconv.Itoa(int(port))))
+		// Everything but the address is checked as routing will check
+		// each resolved endpoint (192.0.2.1 is TEST-NET-1, a stand-in).
+		check.Key = routing.EndpointKey(netip.AddrPortFrom(netip.AddrFrom4([4]byte{192, 0, 2, 1}), port).String())
+	}
+	one := routing.EndpointSet{Endpoints: []routing.Endpoint{check}}
 	if err := one.Validate(); err != nil {
 		return &RecordError{ReasonInvalid, err}
+	}
+	return nil
+}
+
+// CheckSet checks a static list (--endpoints, the config file's
+// endpoints) record by record, canonicalising addresses in place, and
+// refuses duplicates.
+func CheckSet(eps []routing.Endpoint) error {
+	if len(eps) > routing.MaxEndpoints {
+		return fmt.Errorf("%w: %d endpoints (at most %d)", routing.ErrInvalidEndpointSet, len(eps), routing.MaxEndpoints)
+	}
+	seen := make(map[routing.EndpointKey]bool, len(eps))
+	for i := range eps {
+		if err := CheckRecord(&eps[i]); err != nil {
+			return fmt.Errorf("%w: endpoint %d: %w", routing.ErrInvalidEndpointSet, i, err)
+		}
+		if seen[eps[i].Key] {
+			return fmt.Errorf("%w: duplicate endpoint %q", routing.ErrInvalidEndpointSet, eps[i].Key)
+		}
+		seen[eps[i].Key] = true
+	}
+	return nil
+}
+
+// HasNames reports whether any endpoint's address is a host name.
+func HasNames(eps []routing.Endpoint) bool {
+	return slices.ContainsFunc(eps, func(e routing.Endpoint) bool {
+		name, _, err := ParseName(string(e.Key))
+		return err == nil && name != ""
+	})
+}
+
+// MaxNameBytes bounds a host name (RFC 1035: 253 characters in text form,
+// 63 per label).
+const (
+	MaxNameBytes  = 253
+	maxLabelBytes = 63
+)
+
+// ErrHostName is wrapped by the errors [ParseName] returns for an address
+// whose host is neither an IP literal nor a valid host name.
+var ErrHostName = errors.New("invalid host name")
+
+// ParseName splits a record address "host:port". When host is a DNS name
+// it returns the name, lower-cased (a trailing dot, meaning "no search
+// domains", is kept), and the port; when host is an IP literal it returns
+// "" and the port. A name is 1..253 bytes of labels of 1..63 letters,
+// digits, '-' or '_' (Docker and Compose service names may hold '_'),
+// a label neither starting nor ending with '-', and a last label that is
+// not all digits (so "10.0.0" is not taken for a name). The port is
+// 1..65535.
+func ParseName(addr string) (name string, port uint16, err error) {
+	host, ps, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "", 0, fmt.Errorf("address %q: %w", addr, err)
+	}
+	p, err := strconv.ParseUint(ps, 10, 16)
+	if err != nil || p == 0 {
+		return "", 0, fmt.Errorf("address %q: port must be 1..65535", addr)
+	}
+	if _, err := netip.ParseAddr(host); err == nil {
+		if _, err := routing.ParseAddrPort(addr); err != nil {
+			return "", 0, err
+		}
+		return "", uint16(p), nil
+	}
+	if err := checkHostName(host); err != nil {
+		return "", 0, fmt.Errorf("address %q: %w", addr, err)
+	}
+	return strings.ToLower(host), uint16(p), nil
+}
+
+func checkHostName(host string) error {
+	n := strings.TrimSuffix(host, ".")
+	if n == "" || len(n) > MaxNameBytes {
+		return fmt.Errorf("%w: %d bytes (1..%d)", ErrHostName, len(n), MaxNameBytes)
+	}
+	labels := strings.Split(n, ".")
+	for _, l := range labels {
+		if l == "" || len(l) > maxLabelBytes {
+			return fmt.Errorf("%w: a label of %d bytes (1..%d)", ErrHostName, len(l), maxLabelBytes)
+		}
+		if l[0] == '-' || l[len(l)-1] == '-' {
+			return fmt.Errorf("%w: label %q starts or ends with '-'", ErrHostName, l)
+		}
+		for i := 0; i < len(l); i++ {
+			c := l[i]
+			if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+				return fmt.Errorf("%w: %q holds %q (want letters, digits, '-', '_')", ErrHostName, l, c)
+			}
+		}
+	}
+	if strings.Trim(labels[len(labels)-1], "0123456789") == "" {
+		return fmt.Errorf("%w: %q is neither an IP address nor a name (last label all digits)", ErrHostName, host)
 	}
 	return nil
 }

@@ -2,6 +2,8 @@ package discovery
 
 import (
 	"context"
+	"fmt"
+	"strings"
 
 	"github.com/kvbandit/kvbandit/routing"
 )
@@ -22,4 +24,22 @@ func (s Static) Run(ctx context.Context, sink Sink) error {
 	}
 	<-ctx.Done()
 	return nil
+}
+
+// ParseEndpointList parses a static "host:port[,host:port...]" list
+// (--endpoints). Each host is an IP literal (IPv6 in brackets) or a DNS
+// name ([ParseName]); spaces around entries are ignored; an empty list or a
+// duplicate is an error. A set with names must go through the dns package
+// before the engine sees it.
+func ParseEndpointList(list string) (routing.EndpointSet, error) {
+	set := routing.EndpointSet{Source: "static"}
+	for _, f := range strings.Split(list, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			set.Endpoints = append(set.Endpoints, routing.Endpoint{Key: routing.EndpointKey(f)})
+		}
+	}
+	if len(set.Endpoints) == 0 {
+		return routing.EndpointSet{}, fmt.Errorf("%w: no endpoints in %q", routing.ErrInvalidEndpointSet, list)
+	}
+	return set, CheckSet(set.Endpoints)
 }

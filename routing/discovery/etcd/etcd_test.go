@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"net"
+	"net/netip"
 	"slices"
 	"strings"
 	"sync"
@@ -17,6 +19,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
+	"github.com/kvbandit/kvbandit/routing/discovery/dns"
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd/etcdtest"
 )
 
@@ -311,7 +314,7 @@ func TestEtcdSkipsBadRecords(t *testing.T) {
 	put(t, cli, pfx+"malformed", `{"address": "10.0.0.2:8000",`)
 	put(t, cli, pfx+"engine", `{"address":"10.0.0.3:8000","engine":"tgi"}`)
 	put(t, cli, pfx+"invalid", `{"address":"10.0.0.4:8000","block_size":-1}`)
-	put(t, cli, pfx+"hostname", `{"address":"worker:8000"}`)
+	put(t, cli, pfx+"hostname", `{"address":"wor ker:8000"}`) // not a valid host name
 
 	sink := newFakeSink()
 	startSource(t, newSource(t, cfg), sink)
@@ -640,7 +643,7 @@ func TestEtcdNewRegistrarRejectsBadRecords(t *testing.T) {
 	for name, reg := range map[string]Registration{
 		"no id":        {Endpoint: routing.Endpoint{Key: "10.0.0.1:80"}},
 		"no address":   {ID: "x"},
-		"hostname":     {ID: "x", Endpoint: routing.Endpoint{Key: "worker:80"}},
+		"bad hostname": {ID: "x", Endpoint: routing.Endpoint{Key: "wor..ker:80"}},
 		"engine":       {ID: "x", Endpoint: routing.Endpoint{Key: "10.0.0.1:80", Engine: "tgi"}},
 		"negative ttl": {ID: "x", Endpoint: routing.Endpoint{Key: "10.0.0.1:80"}, TTL: -time.Second},
 	} {
@@ -698,4 +701,43 @@ func TestEtcdListOverLimit(t *testing.T) {
 	if err, _ := sink.degradedState(); err != nil {
 		t.Errorf("still degraded: %v", err)
 	}
+}
+
+// TestEtcdRecordsWithHostNames: a record may name its worker by DNS name;
+// wrapped by the dns package, the source publishes one endpoint per
+// address (localhost resolves through /etc/hosts), with kv_events naming
+// the same host rewritten to the IP, and follows the record's removal.
+func TestEtcdRecordsWithHostNames(t *testing.T) {
+	local, err := net.DefaultResolver.LookupNetIP(t.Context(), "ip", "localhost")
+	if err != nil {
+		t.Fatalf("localhost does not resolve: %v", err)
+	}
+	var want []string
+	for _, a := range local {
+		want = append(want, netip.AddrPortFrom(a.Unmap(), 8000).String())
+	}
+	slices.Sort(want)
+	want = slices.Compact(want)
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	cfg := testConfig(srv)
+	pfx := cfg.Prefix + "/p/endpoints/"
+	put(t, cli, pfx+"a", `{"address":"LOCALHOST:8000","engine":"vllm","models":["m"],"kv_events":"tcp://localhost:5557"}`)
+	put(t, cli, pfx+"b", rec("10.0.0.2:8000"))
+	x, err := dns.New(dns.Config{Refresh: 100 * time.Millisecond}, dns.Deps{Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sink := newFakeSink()
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- x.Wrap(newSource(t, cfg)).Run(ctx, sink) }()
+	defer func() { cancel(); <-done }()
+	waitFor(t, 10*time.Second, "resolved set", func() bool { return slices.Equal(sink.lastAddrs(), append(slices.Clone(want), "10.0.0.2:8000")) })
+	set, _ := sink.last()
+	if ep := set.Endpoints[0]; ep.Engine != "vllm" || ep.KVEvents != "tcp://"+netip.AddrPortFrom(ep.Addr().Addr(), 5557).String() {
+		t.Errorf("resolved record: %+v", ep)
+	}
+	del(t, cli, pfx+"a")
+	waitFor(t, 5*time.Second, "named record removed", func() bool { return slices.Equal(sink.lastAddrs(), []string{"10.0.0.2:8000"}) })
 }

@@ -1,0 +1,94 @@
+package discovery_test
+
+import (
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/discovery"
+)
+
+func TestParseName(t *testing.T) {
+	label63 := strings.Repeat("a", 63)
+	name253 := strings.Repeat(label63+".", 3) + strings.Repeat("b", 61) // 3*64 + 61 = 253
+	for _, c := range []struct {
+		addr, name string
+		port       uint16
+		bad        bool
+	}{
+		{addr: "10.0.0.1:8000", port: 8000},
+		{addr: "[fd00::1]:8000", port: 8000},
+		{addr: "vLLM-0.Workers.svc.cluster.local:8000", name: "vllm-0.workers.svc.cluster.local", port: 8000},
+		{addr: "localhost:1", name: "localhost", port: 1},
+		{addr: "my_service:80", name: "my_service", port: 80},
+		{addr: "fqdn.example.:80", name: "fqdn.example.", port: 80},
+		{addr: label63 + ":1", name: label63, port: 1},
+		{addr: name253 + ":1", name: name253, port: 1},
+		{addr: name253 + "b:1", bad: true},                // 254 bytes
+		{addr: strings.Repeat("a", 64) + ":1", bad: true}, // label of 64
+		{addr: "a..b:1", bad: true},
+		{addr: "-a:1", bad: true},
+		{addr: "a-:1", bad: true},
+		{addr: "a b:1", bad: true},
+		{addr: "a/b:1", bad: true},
+		{addr: "10.0.0:1", bad: true}, // all-digit last label
+		{addr: "host:0", bad: true},
+		{addr: "host:65536", bad: true},
+		{addr: "host", bad: true},
+		{addr: ":80", bad: true},
+		{addr: "[fe80::1%eth0]:80", bad: true},
+	} {
+		name, port, err := discovery.ParseName(c.addr)
+		if c.bad {
+			if err == nil {
+				t.Errorf("%q: accepted as %q %d", c.addr, name, port)
+			}
+			continue
+		}
+		if err != nil || name != c.name || port != c.port {
+			t.Errorf("%q: got %q %d %v, want %q %d", c.addr, name, port, err, c.name, c.port)
+		}
+	}
+	if _, _, err := discovery.ParseName("a..b:1"); !errors.Is(err, discovery.ErrHostName) {
+		t.Errorf("bad name: %v does not wrap ErrHostName", err)
+	}
+}
+
+func TestRecordsAcceptHostNames(t *testing.T) {
+	ep, err := discovery.DecodeRecord([]byte(`{"address":"Workers.LLM.svc:8000","models":["m"],"engine":"vllm","kv_events":"tcp://workers.llm.svc:5557"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ep.Key != "workers.llm.svc:8000" || ep.Models[0] != "m" {
+		t.Fatalf("record: %+v", ep)
+	}
+	// The rest of a named record is checked as routing checks endpoints.
+	for _, bad := range []string{
+		`{"address":"workers:8000","block_size":-1}`,
+		`{"address":"workers:0"}`,
+		`{"address":"wor kers:8000"}`,
+		`{"address":"` + strings.Repeat("a", 300) + `:8000"}`,
+	} {
+		if _, err := discovery.DecodeRecord([]byte(bad)); discovery.SkipReason(err) != discovery.ReasonInvalid {
+			t.Errorf("%s: err = %v", bad, err)
+		}
+	}
+	set, err := discovery.ParseEndpointList(" 10.0.0.1:8000, Workers:8000 ")
+	if err != nil || len(set.Endpoints) != 2 || set.Endpoints[1].Key != "workers:8000" {
+		t.Fatalf("list: %+v %v", set, err)
+	}
+	if !discovery.HasNames(set.Endpoints) || discovery.HasNames(set.Endpoints[:1]) {
+		t.Error("HasNames")
+	}
+	for _, bad := range []string{"", " , ", "workers:8000,WORKERS:8000", "10.0.0.1:8000,10.0.0.1:8000", "a..b:1"} {
+		if _, err := discovery.ParseEndpointList(bad); !errors.Is(err, routing.ErrInvalidEndpointSet) {
+			t.Errorf("%q: err = %v", bad, err)
+		}
+	}
+	// A set that still holds a name is refused by routing: nothing
+	// downstream of discovery ever sees one.
+	if err := set.Validate(); !errors.Is(err, routing.ErrInvalidEndpointSet) {
+		t.Errorf("routing accepted a host name: %v", err)
+	}
+}
