@@ -528,6 +528,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	}
 	hs.SetServingStatus(healthLiveness, healthpb.HealthCheckResponse_SERVING)
 	setReady(false)
+	hh := &httpHealth{hs: hs, gate: gate} // /healthz, /readyz on the admin and proxy ports
 
 	listen := func(l net.Listener, addr string) (net.Listener, error) {
 		if l != nil {
@@ -555,7 +556,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		if o.Admin.TLS {
 			ml = httpTLS(ml, tlsSrc)
 		}
-		hsrv = newAdminServer(o.Admin, adminState{reg: reg, engine: engine, hub: hub, policy: pol.Name(), ep: ep, sync: parts.sync})
+		hsrv = newAdminServer(o.Admin, adminState{reg: reg, engine: engine, hub: hub, policy: pol.Name(), ep: ep, sync: parts.sync, health: hh})
 	}
 	var pl net.Listener
 	var psrv *http.Server
@@ -572,7 +573,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		// No whole-request read or write timeout: a long SSE generation
 		// must not be cut. The proxy bounds the body read itself (the
 		// decision deadline), and headers by time and size.
-		psrv = &http.Server{Handler: px, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute, MaxHeaderBytes: proxy.MaxHeaderBytes,
+		psrv = &http.Server{Handler: withHealth(px, hh), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute, MaxHeaderBytes: proxy.MaxHeaderBytes,
 			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
 	}
 
