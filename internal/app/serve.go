@@ -113,6 +113,9 @@ type ServeOptions struct {
 	// random suffix).
 	SyncNATS  string
 	ReplicaID string
+	// DryRun (--dry-run) runs `kvbandit config check` on these options
+	// and exits instead of serving.
+	DryRun bool
 	// set records the flags given explicitly, with their values.
 	set map[string]string
 }
@@ -164,6 +167,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file for the Kubernetes API server (discovery, --leader-elect); empty: in-cluster service account, else $KUBECONFIG or ~/.kube/config")
 	o.LeaderElect.AddFlags(fs)
 	fs.StringVar(&o.SyncNATS, "sync-nats", "", "active-active replicas: NATS URL[,URL...] shared by the replicas of the pool (in-flight decisions, outcomes); auth, TLS and intervals in the config's sync section; off when empty")
+	fs.BoolVar(&o.DryRun, "dry-run", false, "load and validate the config and flags, resolve tokenizers and discovery settings (nothing contacted), print the effective config, and exit (as `kvbandit config check`)")
 	fs.StringVar(&o.ReplicaID, "replica-id", "", "this replica's id among the --sync-nats peers, unique in the pool (default: hostname-<6 random hex>)")
 }
 
@@ -251,7 +255,7 @@ func newLogger(w io.Writer, level, format string) *slog.Logger {
 	return slog.New(slog.NewTextHandler(w, ho))
 }
 
-func runServe(ctx context.Context, args []string, _, stderr io.Writer) error {
+func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var o ServeOptions
@@ -266,6 +270,9 @@ func runServe(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.Visit(func(f *flag.Flag) { o.set[f.Name] = f.Value.String() })
 	if err := o.Validate(); err != nil {
 		return err
+	}
+	if o.DryRun {
+		return checkConfig(o, stdout, stderr, true)
 	}
 	return Serve(ctx, o, newLogger(stderr, o.LogLevel, o.LogFormat), nil)
 }
@@ -436,10 +443,10 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	if treg := tokenizerRegistry(o.Tokenizer, &fileCfg, log); treg.Enabled() {
 		tok = extproc.ModelTokenizer{Registry: treg}
 		reg.MustRegister(tokenizerCacheCollector{treg})
-		if o.Tokenizer != "" {
-			// Load the default now: a bad path shows at start, not on the
-			// first request (serving goes on with estimates either way).
-			_, _ = treg.For("")
+		// Load every configured tokenizer now: a bad path is a start-up
+		// error, not a log line on the first request.
+		if _, err := loadTokenizers(treg, o.Tokenizer, &fileCfg); err != nil {
+			return err
 		}
 	} else {
 		log.Info("no tokenizer configured: prompts are hashed from a byte estimate (give --tokenizer or models.<name>.tokenizer)")
