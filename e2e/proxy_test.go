@@ -147,7 +147,7 @@ func TestProxySDKThroughBinary(t *testing.T) {
 	if !errors.As(err, &apiErr) || apiErr.StatusCode != 400 || apiErr.Code != "missing_model" {
 		t.Fatalf("missing model: %v", err)
 	}
-	k.waitMetric(t, "kvbandit_proxy_requests_total", map[string]string{"path": "chat_completions", "code_class": "2xx"}, 7)
+	k.waitMetric(t, "kvbandit_requests_total", map[string]string{"frontend": "proxy", "path": "chat_completions", "code_class": "2xx"}, 7)
 }
 
 // TestProxyDrainOnSIGTERM: a stream in flight when SIGTERM arrives

@@ -61,7 +61,7 @@ func TestRoundRobinAlternates(t *testing.T) {
 		}
 	}
 	k.waitReleased(t)
-	k.waitMetric(t, "kvbandit_requests_total", map[string]string{"path": "chat_completions", "code_class": "2xx"}, 6)
+	k.waitMetric(t, "kvbandit_requests_total", map[string]string{"frontend": "ext_proc", "path": "chat_completions", "code_class": "2xx"}, 6)
 }
 
 func TestPolicies(t *testing.T) {
@@ -404,7 +404,7 @@ func TestModelsGetIsRouted(t *testing.T) {
 		t.Error("GET sent without end_of_stream")
 	}
 	k.waitReleased(t)
-	k.waitMetric(t, "kvbandit_requests_total", map[string]string{"path": "models", "code_class": "2xx"}, 1)
+	k.waitMetric(t, "kvbandit_requests_total", map[string]string{"frontend": "ext_proc", "path": "models", "code_class": "2xx"}, 1)
 }
 
 func TestRejections(t *testing.T) {
@@ -433,7 +433,7 @@ func TestRejections(t *testing.T) {
 		}
 	}
 	k.waitReleased(t)
-	k.waitMetric(t, "kvbandit_requests_total", map[string]string{"path": "chat_completions", "code_class": "4xx"}, 3)
+	k.waitMetric(t, "kvbandit_requests_total", map[string]string{"frontend": "ext_proc", "path": "chat_completions", "code_class": "4xx"}, 3)
 }
 
 func TestUnknownModel(t *testing.T) {
@@ -571,7 +571,7 @@ func TestUpstreamError(t *testing.T) {
 		t.Errorf("%d requests hit the failing worker, want 2", failed)
 	}
 	k.waitReleased(t)
-	k.waitMetric(t, "kvbandit_requests_total", map[string]string{"path": "chat_completions", "code_class": "5xx"}, 2)
+	k.waitMetric(t, "kvbandit_requests_total", map[string]string{"frontend": "ext_proc", "path": "chat_completions", "code_class": "5xx"}, 2)
 }
 
 func TestClientCancelMidStream(t *testing.T) {

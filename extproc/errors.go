@@ -40,7 +40,45 @@ var (
 	// ErrTooManyHeaders: the request carries more destination-like headers
 	// (x-gateway-destination-endpoint*) than any data plane sends (431).
 	ErrTooManyHeaders = errors.New("too many x-gateway-destination-endpoint* request headers")
+	// ErrMethodNotAllowed: the path does not take the request's method
+	// (405, with an Allow header: see [MethodError]).
+	ErrMethodNotAllowed = errors.New("method not allowed")
 )
+
+// MethodError is a request whose method its path does not take. It wraps
+// [ErrMethodNotAllowed]; Allow is the Allow header of the 405 reply.
+type MethodError struct {
+	Method, Path string
+	// Allow lists the methods the path takes, as the Allow header
+	// ("POST", "GET, HEAD").
+	Allow string
+}
+
+func (e *MethodError) Error() string {
+	return fmt.Sprintf("%v: %.64q %.256q takes %s", ErrMethodNotAllowed, e.Method, e.Path, e.Allow)
+}
+
+// Unwrap returns [ErrMethodNotAllowed].
+func (e *MethodError) Unwrap() error { return ErrMethodNotAllowed }
+
+// CheckMethod returns a *MethodError when method is not one a completion
+// path of kind takes: chat and text completions take POST only. Other
+// kinds take any method (the worker decides).
+func CheckMethod(kind openai.Kind, method, path string) error {
+	if (kind == openai.KindChat || kind == openai.KindCompletion) && method != http.MethodPost {
+		return &MethodError{Method: method, Path: path, Allow: http.MethodPost}
+	}
+	return nil
+}
+
+// Allow returns the Allow header of a 405 reply for err ("POST" unless
+// err carries a [MethodError] saying otherwise).
+func Allow(err error) string {
+	if me, ok := errors.AsType[*MethodError](err); ok && me.Allow != "" {
+		return me.Allow
+	}
+	return http.MethodPost
+}
 
 // Rejection is an error answered to the client as an HTTP status with an
 // OpenAI-style JSON error body.
@@ -57,7 +95,7 @@ func (r *Rejection) Error() string { return fmt.Sprintf("%d %s: %v", r.Status, r
 func (r *Rejection) Unwrap() error { return r.Err }
 
 // Reject classifies err. It is the one place where errors become HTTP
-// statuses: 400 bad request, 404 unknown model, 413 too large, 431 too
+// statuses: 400 bad request, 404 unknown model, 405 wrong method, 413 too large, 431 too
 // many spoofable headers, 429 shed,
 // 503 no endpoint / too many streams / timeout / shutdown. It returns nil
 // for errors that are not the client's to see (internal errors and
@@ -79,6 +117,8 @@ func Reject(err error) *Rejection {
 		return &Rejection{http.StatusNotFound, "invalid_request_error", "model_not_found", err}
 	case errors.Is(err, ErrBodyTooLarge):
 		return &Rejection{http.StatusRequestEntityTooLarge, "invalid_request_error", "body_too_large", err}
+	case errors.Is(err, ErrMethodNotAllowed):
+		return &Rejection{http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed", err}
 	case errors.Is(err, ErrTooManyHeaders):
 		return &Rejection{http.StatusRequestHeaderFieldsTooLarge, "invalid_request_error", "request_headers_too_large", err}
 	case errors.Is(err, routing.ErrOverloaded):
@@ -125,13 +165,17 @@ func (r *Rejection) Body() []byte {
 // immediate builds the ImmediateResponse for a rejection.
 func (r *Rejection) immediate() *extprocv3.ProcessingResponse {
 	body := r.Body()
+	headers := []*corev3.HeaderValueOption{
+		setHeader("content-type", "application/json"),
+		setHeader(HeaderError, r.Code),
+	}
+	if r.Status == http.StatusMethodNotAllowed {
+		headers = append(headers, setHeader("allow", Allow(r.Err)))
+	}
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
 		ImmediateResponse: &extprocv3.ImmediateResponse{
-			Status: &typev3.HttpStatus{Code: typev3.StatusCode(r.Status)},
-			Headers: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-				setHeader("content-type", "application/json"),
-				setHeader(HeaderError, r.Code),
-			}},
+			Status:  &typev3.HttpStatus{Code: typev3.StatusCode(r.Status)},
+			Headers: &extprocv3.HeaderMutation{SetHeaders: headers},
 			Body:    body,
 			Details: "kvbandit_" + r.Code,
 		},

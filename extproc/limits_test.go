@@ -159,7 +159,7 @@ func TestMaxInflightCountsAtHeaders(t *testing.T) {
 	if c := r.GetImmediateResponse().GetStatus().GetCode(); c != 503 || !strings.Contains(string(r.GetImmediateResponse().GetBody()), "too_many_requests_in_flight") {
 		t.Fatalf("want 503 too_many_requests_in_flight, got %v", r)
 	}
-	if got := metricValue(t, h.reg, "kvbandit_requests_total", map[string]string{"path": "chat_completions", "code_class": "5xx"}); got != 1 {
+	if got := metricValue(t, h.reg, "kvbandit_requests_total", map[string]string{"frontend": "ext_proc", "path": "chat_completions", "code_class": "5xx"}); got != 1 {
 		t.Fatalf("the refusal is not counted as a chat request: %v", got)
 	}
 	// The slot comes back when the request ends.

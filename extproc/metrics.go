@@ -8,16 +8,15 @@ import (
 // only from bounded sets: path classes, status classes, phases and reasons
 // defined in this package.
 type Metrics struct {
-	requests         *prometheus.CounterVec
+	// req are the request metrics shared with the standalone proxy
+	// (frontend="ext_proc").
+	req              *RequestMetrics
 	streamErrors     *prometheus.CounterVec
 	streams          prometheus.Gauge
 	requestsInflight prometheus.Gauge
 	withoutBody      *prometheus.CounterVec
 	phase            *prometheus.HistogramVec
 	tokens           *prometheus.CounterVec
-	ttft             prometheus.Histogram
-	latency          prometheus.Histogram
-	outcomes         *prometheus.CounterVec
 	servedMismatch   prometheus.Counter
 	hintProblems     prometheus.Counter
 	// inferenceObjectives counts requests that named an InferenceObjective
@@ -44,10 +43,6 @@ func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metric
 		reg = prometheus.NewRegistry()
 	}
 	m := &Metrics{
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbandit_requests_total",
-			Help: "Requests seen on ext_proc streams, by path class and final HTTP status class (local replies included; 'none' when the stream ended without a status).",
-		}, []string{"path", "code_class"}),
 		streamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbandit_extproc_stream_errors_total",
 			Help: "ext_proc streams that ended abnormally, by reason.",
@@ -73,20 +68,6 @@ func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metric
 			Name: "kvbandit_tokens_total",
 			Help: "Tokens by kind: prompt_routed (what kvbandit tokenized or estimated), prompt, completion and cached (as workers reported in usage).",
 		}, []string{"kind"}),
-		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name:    "kvbandit_ttft_seconds",
-			Help:    "Time from the routing decision to the first response chunk carrying generated content.",
-			Buckets: RequestBuckets,
-		}),
-		latency: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name:    "kvbandit_request_duration_seconds",
-			Help:    "Time from the routing decision to the end of the response.",
-			Buckets: RequestBuckets,
-		}),
-		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbandit_decision_outcomes_total",
-			Help: "Decisions ended, by outcome.",
-		}, []string{"outcome"}),
 		servedMismatch: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbandit_served_mismatch_total",
 			Help: "Responses whose served endpoint (x-gateway-destination-endpoint-served) differs from the chosen one: the data plane fell back.",
@@ -104,7 +85,7 @@ func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metric
 		Name: "kvbandit_tokenizer_fallbacks_total",
 		Help: "Requests routed on the byte-based token estimate instead of the model's tokenizer, by reason (no_tokenizer, error, timeout).",
 	}, []string{"reason"})
-	cs := []prometheus.Collector{m.tokenizerFallbacks, m.requests, m.streamErrors, m.streams, m.requestsInflight, m.withoutBody, m.phase, m.tokens, m.ttft, m.latency, m.outcomes, m.servedMismatch, m.hintProblems, m.inferenceObjectives}
+	cs := []prometheus.Collector{m.tokenizerFallbacks, m.streamErrors, m.streams, m.requestsInflight, m.withoutBody, m.phase, m.tokens, m.servedMismatch, m.hintProblems, m.inferenceObjectives}
 	if bufferedBytes != nil {
 		m.bufferedBytes = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvbandit_buffered_body_bytes",
@@ -120,12 +101,11 @@ func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metric
 	m.phasePick = m.phase.WithLabelValues("pick")
 	m.phaseTotal = m.phase.WithLabelValues("total")
 	m.tokensRouted = m.tokens.WithLabelValues("prompt_routed")
-	// Pre-create the common series so dashboards see zeros.
-	for _, p := range []string{pathChat, pathCompletions, pathModels, PathOther} {
-		for _, c := range []string{"2xx", "4xx", "5xx"} {
-			m.requests.WithLabelValues(p, c)
-		}
+	req, err := NewRequestMetrics(reg, FrontendExtProc)
+	if err != nil {
+		panic(err) // as MustRegister above: a conflicting registry is a programming error
 	}
+	m.req = req
 	return m
 }
 

@@ -142,6 +142,7 @@ type processor struct {
 
 	path      string
 	kind      openai.Kind
+	method    string // :method, at most maxMethodBytes
 	requestID string
 	tenant    string
 	model     string // HeaderModel, read only when the body is unseen
@@ -261,6 +262,12 @@ func (p *processor) onRequestHeaders(ctx context.Context, h *extprocv3.HttpHeade
 	}
 	if err != nil {
 		return nil, false, err
+	}
+	if p.method != "" {
+		// A GET on a completion path is 405, not "empty body" (400).
+		if err := CheckMethod(p.kind, p.method, p.path); err != nil {
+			return nil, false, err
+		}
 	}
 	if err := p.admit(); err != nil {
 		return nil, false, err
@@ -539,6 +546,10 @@ func headerValue(h *corev3.HeaderValue) string {
 	return h.GetValue()
 }
 
+// maxMethodBytes bounds the :method kept (longer ones are cut, and then
+// never equal POST).
+const maxMethodBytes = 32
+
 // readRequestHeaders keeps only what routing needs, each bounded: the path
 // (bounded by the caller, after classification), the request id, the
 // tenant (bounded where prefix state keys it), the model header, the hint
@@ -551,6 +562,8 @@ func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) error {
 		switch {
 		case k == ":path":
 			p.path = headerValue(h)
+		case k == ":method":
+			p.method = headerPrefix(h, maxMethodBytes)
 		case k == "x-request-id":
 			p.requestID = headerPrefix(h, MaxRequestIDBytes)
 		case tenant != "" && strings.EqualFold(k, tenant):
@@ -915,13 +928,7 @@ func (p *processor) finishRejected(err error) {
 func (p *processor) end(o routing.Outcome) {
 	m := p.s.metrics
 	p.decision.Done(o)
-	m.outcomes.WithLabelValues(o.Kind.String()).Inc()
-	if o.TTFT > 0 {
-		m.ttft.Observe(o.TTFT.Seconds())
-	}
-	if o.Latency > 0 {
-		m.latency.Observe(o.Latency.Seconds())
-	}
+	m.req.Outcome(o)
 	if o.PromptTokens > 0 {
 		m.tokens.WithLabelValues("prompt").Add(float64(o.PromptTokens))
 	}
@@ -940,7 +947,7 @@ func (p *processor) count(status int) {
 		return
 	}
 	p.counted = true
-	p.s.metrics.requests.WithLabelValues(PathClass(p.kind, p.path), CodeClass(status)).Inc()
+	p.s.metrics.req.Request(PathClass(p.kind, p.path), status)
 }
 
 // PathClass is the path label of a request: its OpenAI kind, /v1/models,

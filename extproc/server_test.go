@@ -201,7 +201,7 @@ func TestOutcomeSuccessWithUsageAndTTFT(t *testing.T) {
 		t.Fatalf("stream not closed cleanly after the response: %v", err)
 	}
 	h.noMoreOutcomes(t)
-	if got := metricValue(t, h.reg, "kvbandit_requests_total", map[string]string{"path": "chat_completions", "code_class": "2xx"}); got != 1 {
+	if got := metricValue(t, h.reg, "kvbandit_requests_total", map[string]string{"frontend": "ext_proc", "path": "chat_completions", "code_class": "2xx"}); got != 1 {
 		t.Fatalf("requests_total 2xx = %v", got)
 	}
 	_ = dest

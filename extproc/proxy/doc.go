@@ -11,8 +11,13 @@
 //     ([extproc.ParseRequest], [extproc.TokenizeRequest]: the same hints from
 //     x-prefix-* headers and nvext, the same byte-estimate fallback), then
 //     forwarded to http://<endpoint> with the body bytes as received.
-//   - Any other /v1/ path (GET /v1/models, /v1/embeddings, ...) is routed by
-//     load only, as ext_proc routes it, and passed through.
+//   - GET /v1/models ([ModelsPath]) and GET /v1/models/{id} are answered by
+//     the proxy with the fleet's models: what discovery declares for each
+//     endpoint and what each worker answers on its own /v1/models (cached,
+//     bounded in time and size), deduplicated and sorted.
+//   - Any other /v1/ path (/v1/embeddings, ...) is routed by load only, as
+//     ext_proc routes it, and passed through. A method other than POST on
+//     a completion path is 405 (extproc.CheckMethod), as on ext_proc.
 //   - POST /v1/route ([RoutePath]) answers, for a body that is a normal chat
 //     or completion request, the endpoint that would be chosen and the
 //     per-endpoint scores, through [routing.Scorer] (Engine.Score): no slot

@@ -6,13 +6,12 @@ import (
 	"github.com/kvbandit/kvbandit/extproc"
 )
 
-// metrics are the proxy's Prometheus metrics (kvbandit_proxy_*). Label
-// values come from bounded sets defined here.
+// metrics are the proxy's Prometheus metrics: the request metrics shared
+// with the ext_proc server (frontend="proxy") and the proxy's own
+// (kvbandit_proxy_*). Label values come from bounded sets defined here.
 type metrics struct {
-	requests       *prometheus.CounterVec
+	req            *extproc.RequestMetrics
 	upstreamErrors *prometheus.CounterVec
-	outcomes       *prometheus.CounterVec
-	ttft           prometheus.Histogram
 	hintProblems   prometheus.Counter
 	// inferenceObjectives: requests naming an InferenceObjective without
 	// a priority of their own, by result (found, unknown).
@@ -29,24 +28,16 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 	if reg == nil {
 		reg = prometheus.NewRegistry()
 	}
+	req, err := extproc.NewRequestMetrics(reg, extproc.FrontendProxy)
+	if err != nil {
+		panic(err) // as MustRegister below: a conflicting registry is a programming error
+	}
 	m := &metrics{
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbandit_proxy_requests_total",
-			Help: "Requests handled by the standalone proxy (--http-addr), by path class and the HTTP status class the client got ('none' when the client went away first).",
-		}, []string{"path", "code_class"}),
+		req: req,
 		upstreamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbandit_proxy_upstream_errors_total",
 			Help: "Proxied requests that failed at the worker, by reason: connect (unreachable, answered 503), status (an error status), body (the response broke off).",
 		}, []string{"reason"}),
-		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbandit_proxy_decision_outcomes_total",
-			Help: "Decisions of proxied requests ended, by outcome.",
-		}, []string{"outcome"}),
-		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name:    "kvbandit_proxy_ttft_seconds",
-			Help:    "Proxied requests: time from the routing decision to the first response chunk carrying generated content.",
-			Buckets: extproc.RequestBuckets,
-		}),
 		hintProblems: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbandit_proxy_hint_problems_total",
 			Help: "Proxied requests: routing hint values that were invalid and ignored.",
@@ -64,7 +55,7 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 			Help: "Prompt tokens of proxied requests as kvbandit tokenized or estimated them.",
 		}),
 	}
-	reg.MustRegister(m.requests, m.upstreamErrors, m.outcomes, m.ttft, m.hintProblems, m.inferenceObjectives, m.tokenizerFallbacks, m.tokensRouted,
+	reg.MustRegister(m.upstreamErrors, m.hintProblems, m.inferenceObjectives, m.tokenizerFallbacks, m.tokensRouted,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvbandit_proxy_requests_inflight",
 			Help: "Requests the standalone proxy is handling.",
@@ -73,5 +64,5 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 }
 
 func (m *metrics) request(path string, status int) {
-	m.requests.WithLabelValues(path, extproc.CodeClass(status)).Inc()
+	m.req.Request(path, status)
 }

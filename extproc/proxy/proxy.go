@@ -86,6 +86,10 @@ type Config struct {
 	MaxSSEEvent int
 	// TokenizerTimeout bounds one request's tokenization.
 	TokenizerTimeout time.Duration
+	// ModelsCacheTTL and ModelsTimeout tune the /v1/models listing: how
+	// long a worker's answer is reused (0: DefaultModelsCacheTTL) and how
+	// long one worker is waited for (0: DefaultModelsTimeout).
+	ModelsCacheTTL, ModelsTimeout time.Duration
 }
 
 func (c *Config) defaults() {
@@ -130,6 +134,10 @@ type Deps struct {
 	// (x-gateway-inference-objective) when the request gave none; nil when
 	// objectives are not discovered (see hints.ApplyObjective).
 	Objectives hints.Priorities
+	// Fleet lists the endpoints whose models GET /v1/models lists; nil:
+	// Engine, when it is a Fleet (*routing.Engine is), else /v1/models is
+	// forwarded like any other path.
+	Fleet Fleet
 }
 
 // NewTransport returns the transport the proxy uses by default: keep-alive
@@ -157,8 +165,10 @@ var (
 	ErrUpstreamUnavailable = errors.New("upstream unavailable")
 	// ErrNotFound: the cleaned path is outside /v1/ (404).
 	ErrNotFound = errors.New("not found")
-	// ErrMethodNotAllowed: /v1/route takes POST only (405).
-	ErrMethodNotAllowed = errors.New("method not allowed")
+	// ErrMethodNotAllowed: the path does not take the method (405):
+	// /v1/route and the completion paths take POST only, /v1/models GET
+	// and HEAD. It is [extproc.ErrMethodNotAllowed].
+	ErrMethodNotAllowed = extproc.ErrMethodNotAllowed
 	// errStopped is the cause of requests cut by Stop.
 	errStopped = fmt.Errorf("%w: proxy stopped", extproc.ErrShuttingDown)
 )
@@ -173,8 +183,6 @@ func reject(err error) *extproc.Rejection {
 		return &extproc.Rejection{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found", Err: err}
 	case errors.Is(err, openai.ErrInvalidPath):
 		return &extproc.Rejection{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "invalid_path", Err: err}
-	case errors.Is(err, ErrMethodNotAllowed):
-		return &extproc.Rejection{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error", Code: "method_not_allowed", Err: err}
 	}
 	if r := extproc.Reject(err); r != nil {
 		return r
@@ -196,6 +204,8 @@ type Proxy struct {
 	budget  *extproc.Budget
 	// objectives is Deps.Objectives (nil: none).
 	objectives hints.Priorities
+	// modelList answers /v1/models (nil: no fleet, forwarded).
+	modelList *modelLister
 
 	inflight atomic.Int64
 	wg       sync.WaitGroup
@@ -222,6 +232,13 @@ func New(cfg Config, deps Deps) *Proxy {
 	p.bufs.New = func() any { b := make([]byte, 32<<10); return &b }
 	p.stopCtx, p.stop = context.WithCancelCause(context.Background())
 	p.metrics = newMetrics(deps.Registry, func() float64 { return float64(p.inflight.Load()) })
+	fleet := deps.Fleet
+	if fleet == nil {
+		fleet, _ = deps.Engine.(Fleet)
+	}
+	if fleet != nil {
+		p.modelList = newModelLister(fleet, p.rt, p.log, p.clk, cfg.ModelsCacheTTL, cfg.ModelsTimeout)
+	}
 	return p
 }
 
@@ -311,6 +328,15 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		p.route(w, r)
 		return
 	}
+	if p.modelList != nil && (clean == ModelsPath || strings.HasPrefix(clean, ModelsPath+"/")) {
+		p.models(w, r, clean, class)
+		return
+	}
+	if err := extproc.CheckMethod(kind, r.Method, clean); err != nil {
+		closeUnread(w, r)
+		p.fail(w, class, err)
+		return
+	}
 	p.forward(w, r, clean, kind, class)
 }
 
@@ -352,7 +378,7 @@ func (p *Proxy) reply(w http.ResponseWriter, err error) int {
 	h.Set("Content-Type", "application/json")
 	h.Set(extproc.HeaderError, rej.Code)
 	if rej.Status == http.StatusMethodNotAllowed {
-		h.Set("Allow", http.MethodPost)
+		h.Set("Allow", extproc.Allow(err))
 	}
 	w.WriteHeader(rej.Status)
 	_, _ = w.Write(rej.Body())
@@ -779,11 +805,7 @@ func (x *exchange) end(kind routing.OutcomeKind) {
 	}
 	x.d.Done(o)
 	x.respBody = nil
-	m := x.p.metrics
-	m.outcomes.WithLabelValues(kind.String()).Inc()
-	if o.TTFT > 0 {
-		m.ttft.Observe(o.TTFT.Seconds())
-	}
+	x.p.metrics.req.Outcome(o)
 }
 
 // hopHeaders are removed in both directions (RFC 9110 section 7.6.1, and

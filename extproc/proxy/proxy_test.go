@@ -322,15 +322,15 @@ func TestProxyCompletionsAndModels(t *testing.T) {
 		t.Errorf("outcome %+v", o)
 	}
 	// Other /v1/ paths pass through (routed by load only).
-	req, _ := http.NewRequestWithContext(t.Context(), http.MethodGet, f.url+"/v1/models", nil)
+	req, _ := http.NewRequestWithContext(t.Context(), http.MethodGet, f.url+"/v1/embeddings", nil)
 	mr, err := f.client.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
 	mb, _ := io.ReadAll(mr.Body)
 	mr.Body.Close()
-	if mr.StatusCode != 200 || !strings.Contains(string(mb), `"test-model"`) || mr.Header.Get(proxy.HeaderEndpoint) != f.workers[0].Addr() {
-		t.Fatalf("models: %d %s %v", mr.StatusCode, mb, mr.Header)
+	if mr.StatusCode != 404 || mr.Header.Get(proxy.HeaderEndpoint) != f.workers[0].Addr() {
+		t.Fatalf("embeddings: %d %s %v", mr.StatusCode, mb, mr.Header)
 	}
 	f.out.wait(t, 2)
 	f.inflightZero(t)
@@ -467,6 +467,8 @@ func TestProxyErrors(t *testing.T) {
 		{"route unknown model", f, "POST", proxy.RoutePath, `{"model":"nope","messages":[{"role":"user","content":"x"}]}`, 404, "model_not_found"},
 		{"route no endpoints", empty, "POST", proxy.RoutePath, `{"model":"m","messages":[{"role":"user","content":"x"}]}`, 503, "no_endpoint"},
 		{"route GET", f, "GET", proxy.RoutePath, ``, 405, "method_not_allowed"},
+		{"chat GET", f, "GET", "/v1/chat/completions", ``, 405, "method_not_allowed"},
+		{"completions PUT", f, "PUT", "/v1/completions", `{"model":"test-model","prompt":"x"}`, 405, "method_not_allowed"},
 		{"outside /v1/", f, "GET", "/admin", ``, 404, "not_found"},
 	}
 	for _, c := range cases {
@@ -491,6 +493,9 @@ func TestProxyErrors(t *testing.T) {
 				}
 				if resp.Header.Get("x-kvbandit-error") != c.code || !strings.HasPrefix(resp.Header.Get("Content-Type"), "application/json") {
 					t.Errorf("headers %v", resp.Header)
+				}
+				if c.status == 405 && resp.Header.Get("Allow") != "POST" {
+					t.Errorf("Allow %q, want POST", resp.Header.Get("Allow"))
 				}
 			})
 		}

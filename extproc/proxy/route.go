@@ -10,6 +10,7 @@ import (
 
 	"github.com/tidwall/gjson"
 
+	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/extproc/openai"
 	"github.com/kvbandit/kvbandit/routing"
 )
@@ -48,7 +49,7 @@ type RouteResponse struct {
 func (p *Proxy) route(w http.ResponseWriter, r *http.Request) {
 	if r.Method != http.MethodPost {
 		closeUnread(w, r)
-		p.fail(w, pathRoute, fmt.Errorf("%w: %s %s", ErrMethodNotAllowed, r.Method, RoutePath))
+		p.fail(w, pathRoute, &extproc.MethodError{Method: r.Method, Path: RoutePath, Allow: http.MethodPost})
 		return
 	}
 	body, err := p.readBody(w, r, time.Now().Add(p.cfg.DecisionTimeout))

@@ -68,13 +68,18 @@ type adminState struct {
 	policy string
 	ep     *extproc.Server
 	sync   *rsync.Syncer // nil without --sync-nats
+	// health answers /healthz and /readyz (health.go).
+	health http.Handler
 }
 
-// newAdminServer returns the admin HTTP server: /metrics, /debug/endpoints
-// and, with --pprof, /debug/pprof/.
+// newAdminServer returns the admin HTTP server: /metrics, /healthz,
+// /readyz, /debug/endpoints, /debug/replicas and, with --pprof,
+// /debug/pprof/.
 func newAdminServer(o AdminOptions, st adminState) *http.Server {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(st.reg, promhttp.HandlerOpts{Registry: st.reg}))
+	mux.Handle(healthzPath, st.health)
+	mux.Handle(readyzPath, st.health)
 	if o.Pprof {
 		// go tool pprof http://ADDR/debug/pprof/profile
 		mux.HandleFunc("/debug/pprof/", pprof.Index)

@@ -2,10 +2,9 @@ package app
 
 import (
 	"fmt"
+	"io"
 	"os"
 	"time"
-
-	"sigs.k8s.io/yaml"
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/admission"
@@ -253,24 +252,35 @@ func DefaultFileConfig() FileConfig {
 	}
 }
 
-// LoadConfig reads, strictly decodes and validates a config file.
+// LoadConfig reads, strictly decodes and validates a config file. Errors
+// wrap [ErrConfig] and name the file, the line and the key path.
 func LoadConfig(path string) (*FileConfig, error) {
-	raw, err := os.ReadFile(path)
+	f, err := os.Open(path)
 	if err != nil {
-		return nil, fmt.Errorf("config: %w", err)
+		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 	}
-	return ParseConfig(raw)
+	defer f.Close()
+	raw, err := io.ReadAll(io.LimitReader(f, MaxConfigBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s: %w", ErrConfig, path, err)
+	}
+	return parseConfig(path, raw)
 }
 
 // ParseConfig strictly decodes config YAML over the defaults and validates
-// it.
+// it (errors name the file "config").
 func ParseConfig(raw []byte) (*FileConfig, error) {
+	return parseConfig("config", raw)
+}
+
+func parseConfig(file string, raw []byte) (*FileConfig, error) {
 	c := DefaultFileConfig()
-	if err := yaml.UnmarshalStrict(raw, &c); err != nil {
-		return nil, fmt.Errorf("config: %w", err)
+	root, err := decodeConfig(file, raw, &c)
+	if err != nil {
+		return nil, err
 	}
 	if err := c.Validate(); err != nil {
-		return nil, fmt.Errorf("config: %w", err)
+		return nil, locate(file, root, err)
 	}
 	return &c, nil
 }

@@ -36,6 +36,7 @@ type serveAddrs struct {
 	proxy   string // base URL of the standalone proxy
 	grpc    string // ext_proc
 	metrics string // base URL of /metrics
+	health  string // gRPC health address
 	done    <-chan error
 }
 
@@ -53,7 +54,7 @@ func startServe(t *testing.T, ctx context.Context, w *worker.Worker, edit func(*
 	hl := listen()
 	var a serveAddrs
 	ready := make(chan struct{})
-	ls := &Listeners{GRPC: listen(), Health: listen(), Metrics: listen(), HTTP: hl, Ready: func(g, _, m string) { a.grpc, a.metrics = g, "http://"+m; close(ready) }}
+	ls := &Listeners{GRPC: listen(), Health: listen(), Metrics: listen(), HTTP: hl, Ready: func(g, h, m string) { a.grpc, a.health, a.metrics = g, h, "http://"+m; close(ready) }}
 	o := ServeOptions{Endpoints: w.Addr(), Policy: "kv", MaxBodyBytes: 1 << 20, MaxInflight: 8, DecisionTimeout: time.Second,
 		DrainTimeout: 5 * time.Second, StopGrace: 100 * time.Millisecond, ResponseProcessing: true, LogLevel: "info", LogFormat: "text"}
 	if edit != nil {

@@ -115,6 +115,9 @@ type ServeOptions struct {
 	// random suffix).
 	SyncNATS  string
 	ReplicaID string
+	// DryRun (--dry-run) runs `kvbandit config check` on these options
+	// and exits instead of serving.
+	DryRun bool
 	// set records the flags given explicitly, with their values.
 	set map[string]string
 }
@@ -167,6 +170,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file for the Kubernetes API server (discovery, --leader-elect); empty: in-cluster service account, else $KUBECONFIG or ~/.kube/config")
 	o.LeaderElect.AddFlags(fs)
 	fs.StringVar(&o.SyncNATS, "sync-nats", "", "active-active replicas: NATS URL[,URL...] shared by the replicas of the pool (in-flight decisions, outcomes); auth, TLS and intervals in the config's sync section; off when empty")
+	fs.BoolVar(&o.DryRun, "dry-run", false, "load and validate the config and flags, resolve tokenizers and discovery settings (nothing contacted), print the effective config, and exit (as `kvbandit config check`)")
 	fs.StringVar(&o.ReplicaID, "replica-id", "", "this replica's id among the --sync-nats peers, unique in the pool (default: hostname-<6 random hex>)")
 }
 
@@ -257,7 +261,7 @@ func newLogger(w io.Writer, level, format string) *slog.Logger {
 	return slog.New(slog.NewTextHandler(w, ho))
 }
 
-func runServe(ctx context.Context, args []string, _, stderr io.Writer) error {
+func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var o ServeOptions
@@ -272,6 +276,9 @@ func runServe(ctx context.Context, args []string, _, stderr io.Writer) error {
 	fs.Visit(func(f *flag.Flag) { o.set[f.Name] = f.Value.String() })
 	if err := o.Validate(); err != nil {
 		return err
+	}
+	if o.DryRun {
+		return checkConfig(o, stdout, stderr, true)
 	}
 	return Serve(ctx, o, newLogger(stderr, o.LogLevel, o.LogFormat), nil)
 }
@@ -445,10 +452,10 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	if treg := tokenizerRegistry(o.Tokenizer, &fileCfg, log); treg.Enabled() {
 		tok = extproc.ModelTokenizer{Registry: treg}
 		reg.MustRegister(tokenizerCacheCollector{treg})
-		if o.Tokenizer != "" {
-			// Load the default now: a bad path shows at start, not on the
-			// first request (serving goes on with estimates either way).
-			_, _ = treg.For("")
+		// Load every configured tokenizer now: a bad path is a start-up
+		// error, not a log line on the first request.
+		if _, err := loadTokenizers(treg, o.Tokenizer, &fileCfg); err != nil {
+			return err
 		}
 	} else {
 		log.Info("no tokenizer configured: prompts are hashed from a byte estimate (give --tokenizer or models.<name>.tokenizer)")
@@ -537,6 +544,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	}
 	hs.SetServingStatus(healthLiveness, healthpb.HealthCheckResponse_SERVING)
 	setReady(false)
+	hh := &httpHealth{hs: hs, gate: gate} // /healthz, /readyz on the admin and proxy ports
 
 	listen := func(l net.Listener, addr string) (net.Listener, error) {
 		if l != nil {
@@ -564,7 +572,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		if o.Admin.TLS {
 			ml = httpTLS(ml, tlsSrc)
 		}
-		hsrv = newAdminServer(o.Admin, adminState{reg: reg, engine: engine, hub: hub, policy: pol.Name(), ep: ep, sync: parts.sync})
+		hsrv = newAdminServer(o.Admin, adminState{reg: reg, engine: engine, hub: hub, policy: pol.Name(), ep: ep, sync: parts.sync, health: hh})
 	}
 	var pl net.Listener
 	var psrv *http.Server
@@ -581,7 +589,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		// No whole-request read or write timeout: a long SSE generation
 		// must not be cut. The proxy bounds the body read itself (the
 		// decision deadline), and headers by time and size.
-		psrv = &http.Server{Handler: px, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute, MaxHeaderBytes: proxy.MaxHeaderBytes,
+		psrv = &http.Server{Handler: withHealth(px, hh), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute, MaxHeaderBytes: proxy.MaxHeaderBytes,
 			ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug)}
 	}
 
