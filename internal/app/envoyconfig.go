@@ -16,7 +16,7 @@ import (
 func runEnvoyConfig(_ context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("envoy-config", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	endpoints := fs.String("endpoints", "", "workers \"ip:port[,ip:port...]\": the cluster's hosts, the same list as `serve --endpoints` (required)")
+	endpoints := fs.String("endpoints", "", "workers \"ip:port[,ip:port...]\": the cluster's hosts, the same list as serve --endpoints (required)")
 	extProc := fs.String("ext-proc-addr", envoy.DefaultExtProcAddr, "kvbandit's ext_proc address as Envoy reaches it")
 	healthPort := fs.Int("health-port", envoy.DefaultHealthPort, "kvbandit's gRPC health port")
 	listen := fs.String("listen-addr", envoy.DefaultListenAddr, "Envoy's client-facing listener")

@@ -126,7 +126,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Endpoints, "endpoints", "", "static workers \"ip:port[,ip:port...]\" (the same list as the Envoy cluster's hosts)")
 	fs.StringVar(&o.EndpointsFile, "endpoints-file", "", "YAML/JSON file of endpoint records (address, models, engine, block_size, kv_events, ...), reloaded on change")
 	fs.StringVar(&o.EDSAddr, "eds-addr", "", "serve the endpoint set to Envoy over xDS EDS on this address (envoy/eds.yaml; e.g. "+eds.DefaultAddr+"); a new endpoint is picked only after the connected Envoys acknowledged it")
-	fs.StringVar(&o.EtcdEndpoints, "etcd-endpoints", "", "discover workers from etcd (comma list of host:port); records under <prefix>/<pool>/endpoints/<id>, written by `kvbandit register` (TLS and auth: the config's discovery.etcd)")
+	fs.StringVar(&o.EtcdEndpoints, "etcd-endpoints", "", "discover workers from etcd (comma list of host:port); records under <prefix>/<pool>/endpoints/<id>, written by kvbandit register (TLS and auth: the config's discovery.etcd)")
 	fs.StringVar(&o.EtcdPool, "etcd-pool", etcd.DefaultPool, "etcd discovery: pool name")
 	fs.StringVar(&o.EtcdPrefix, "etcd-prefix", etcd.DefaultPrefix, "etcd discovery: key prefix")
 	fs.StringVar(&o.ConfigPath, "config", "", "YAML config file (endpoints with metadata, policy parameters)")
