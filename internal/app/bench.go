@@ -1,6 +1,7 @@
 package app
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -304,12 +305,22 @@ func (o *benchOptions) load(stderr io.Writer) ([]sim.Request, string, error) {
 		return nil, "", err
 	}
 	defer f.Close()
+	// A trace in the other format would fail on every line: say which
+	// --format it wants instead.
+	br := bufio.NewReaderSize(f, trace.DetectSize)
+	head, err := br.Peek(trace.DetectSize)
+	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, bufio.ErrBufferFull) {
+		return nil, "", fmt.Errorf("%s: %w", o.trace, err)
+	}
+	if got := trace.Detect(head); got != "" && got != o.format {
+		return nil, "", fmt.Errorf("%w: %s looks like a%s %s trace, not %s: run with --format %s", ErrUsage, o.trace, article(got), got, o.format, got)
+	}
 	opt := trace.Options{Strict: o.strict, RateScale: o.effectiveRateScale(), Limit: o.limit}
 	read := trace.ReadMooncake
-	if o.format == "azure" {
+	if o.format == trace.FormatAzure {
 		read = trace.ReadAzure
 	}
-	reqs, rep, err := read(f, opt)
+	reqs, rep, err := read(br, opt)
 	if err != nil {
 		return nil, "", fmt.Errorf("%s: %w", o.trace, err)
 	}
@@ -323,6 +334,14 @@ func (o *benchOptions) load(stderr io.Writer) ([]sim.Request, string, error) {
 		}
 	}
 	return reqs, o.trace, nil
+}
+
+// article is "n" before a vowel, for "a"+article(w)+" "+w.
+func article(w string) string {
+	if w != "" && strings.ContainsRune("aeiou", rune(w[0])) {
+		return "n"
+	}
+	return ""
 }
 
 // runPolicies runs one simulation per policy, up to GOMAXPROCS at once,
