@@ -304,7 +304,7 @@ func TestDetect(t *testing.T) {
 		{"\n\n  {\"timestamp\": 0", FormatMooncake}, // blank lines, a cut first line
 		{"TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.6805900,374,44\n", FormatAzure},
 		{"\xef\xbb\xbftimestamp,contexttokens,generatedtokens", FormatAzure}, // BOM, lower case, no newline
-		{"2023-11-16 18:15:46.6805900,374,44\n", ""},                          // no header: ReadAzure wants one
+		{"2023-11-16 18:15:46.6805900,374,44\n", ""},                         // no header: ReadAzure wants one
 		{"a,b,c\n", ""},
 		{"", ""},
 		{"\n \n", ""},
