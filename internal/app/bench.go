@@ -54,7 +54,7 @@ type benchOptions struct {
 	workers, routerBlock, limit, kvBlocks, blockSize  int
 	rateScale                                         float64
 	seed                                              int64
-	kvEvents, strict                                  bool
+	kvEvents, strict, quiet, progress                 bool
 	agentic                                           trace.AgenticConfig
 	replicas                                          int
 	sync                                              string
@@ -82,6 +82,8 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.limit, "limit", 0, "replay only the first N requests (0: all)")
 	fs.BoolVar(&o.kvEvents, "kv-events", true, "workers publish KV events into the engine's index (false: the router's approximate index only)")
 	fs.BoolVar(&o.strict, "strict", false, "a malformed trace line is fatal (default: skipped, counted and reported)")
+	fs.BoolVar(&o.quiet, "quiet", false, "no progress line on stderr")
+	fs.BoolVar(&o.progress, "progress", false, "show progress on stderr even when it is not a terminal (a line every 5s)")
 	fs.IntVar(&o.replicas, "replicas", 1, fmt.Sprintf("pickers: independent routing engines in front of the fleet, each request entering through one at random (1 to %d)", sim.MaxReplicas))
 	fs.StringVar(&o.sync, "sync", "none", "what the replicas share: none, or nats (a model of serve --sync-nats: every decision's start, first token, end and outcome applied on the other replicas after --sync-delay)")
 	fs.DurationVar(&o.syncDelay, "sync-delay", sim.DefaultSyncDelay, "--sync nats: publish-to-apply latency, in virtual time")
@@ -205,19 +207,6 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		policies, tierWeights = &c.Config, c.Router.TierWeights
 	}
 	bounds := trace.ComputeBounds(reqs, o.blockSize, o.workers*o.kvBlocks)
-	logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	sync, _ := sim.ParseSync(o.sync) // checked by validate
-	results, err := runPolicies(ctx, names, func(name string) sim.Config {
-		return sim.Config{
-			Workers: workers, Policy: name, Policies: policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger,
-			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrapeInterval, TierWeights: tierWeights,
-			SLO:      slo.Config{Headroom: o.objective.headroom, Off: o.objective.off},
-			Schedule: schedule,
-		}
-	}, reqs)
-	if err != nil {
-		return err
-	}
 	rep := benchReport{
 		Trace: desc, Format: o.format, Requests: len(reqs), Workers: o.workers, SpeedFactors: speeds,
 		RateScale: o.effectiveRateScale(), KVBlocks: o.kvBlocks, BlockSize: o.blockSize, RouterBlockSize: o.routerBlock,
@@ -228,10 +217,29 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		rep.Replicas, rep.Sync, rep.SyncDelaySec = o.replicas, o.sync, o.syncDelay.Seconds()
 	}
 	o.tier.report(&rep)
+	// What is replayed is known now: say it before the run.
+	rep.printHeader(stdout)
+	logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	sync, _ := sim.ParseSync(o.sync) // checked by validate
+	prog := newBenchProgress(stderr, o.quiet, o.progress, names, len(reqs), nil)
+	prog.start()
+	results, err := runPolicies(ctx, names, func(i int, name string) sim.Config {
+		return sim.Config{
+			Workers: workers, Policy: name, Policies: policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger,
+			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrapeInterval, TierWeights: tierWeights,
+			SLO:      slo.Config{Headroom: o.objective.headroom, Off: o.objective.off},
+			Schedule: schedule,
+			Progress: prog.arrivedFunc(i),
+		}
+	}, reqs, prog.done)
+	prog.close()
+	if err != nil {
+		return err
+	}
 	for _, r := range results {
 		rep.Policies = append(rep.Policies, summarize(r, reqs, bounds))
 	}
-	rep.print(stdout)
+	rep.printTable(stdout)
 	if o.jsonOut != "" {
 		b, err := json.MarshalIndent(rep, "", "  ")
 		if err != nil {
@@ -346,7 +354,8 @@ func article(w string) string {
 
 // runPolicies runs one simulation per policy, up to GOMAXPROCS at once,
 // each with its own engine. Results keep the order of names.
-func runPolicies(ctx context.Context, names []string, config func(string) sim.Config, reqs []sim.Request) ([]*sim.Result, error) {
+// done (optional) is called with a policy's index when its run ends.
+func runPolicies(ctx context.Context, names []string, config func(int, string) sim.Config, reqs []sim.Request, done func(int)) ([]*sim.Result, error) {
 	results := make([]*sim.Result, len(names))
 	errs := make([]error, len(names))
 	sem := make(chan struct{}, max(1, runtime.GOMAXPROCS(0)))
@@ -357,7 +366,10 @@ func runPolicies(ctx context.Context, names []string, config func(string) sim.Co
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			results[i], errs[i] = sim.Run(ctx, config(name), reqs)
+			results[i], errs[i] = sim.Run(ctx, config(i, name), reqs)
+			if done != nil {
+				done(i)
+			}
 			if errs[i] != nil {
 				errs[i] = fmt.Errorf("policy %s: %w", name, errs[i])
 			}
@@ -537,7 +549,9 @@ func pct(sorted []time.Duration, p float64) float64 {
 	return sorted[max(0, min(i, len(sorted)-1))].Seconds()
 }
 
-func (rep *benchReport) print(w io.Writer) {
+// printHeader prints what is replayed: the trace, the fleet and the
+// cache bounds.
+func (rep *benchReport) printHeader(w io.Writer) {
 	fmt.Fprintf(w, "trace %s (%s): %d requests, rate scale %g; %d workers (speed %s), %d KV blocks of %d tokens each\n",
 		rep.Trace, rep.Format, rep.Requests, rep.RateScale, rep.Workers, fmtSpeeds(rep.SpeedFactors), rep.KVBlocks, rep.BlockSize)
 	if rep.Replicas > 1 {
@@ -556,6 +570,10 @@ func (rep *benchReport) print(w io.Writer) {
 	fmt.Fprint(w, rep.tierLine())
 	fmt.Fprintf(w, "KV hit-rate bounds: infinite cache %.1f%%, finite cache (one LRU of %d tokens) %.1f%%\n\n",
 		100*rep.Bounds.Infinite, rep.Bounds.FiniteCapacityTokens, 100*rep.Bounds.Finite)
+}
+
+// printTable prints a row per policy.
+func (rep *benchReport) printTable(w io.Writer) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	hinted, objectives, predicts := false, false, false
 	for _, p := range rep.Policies {
