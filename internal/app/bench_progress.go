@@ -33,8 +33,8 @@ type benchProgress struct {
 	// goroutines.
 	arrived           []atomic.Int64
 	started, finished []atomic.Bool
-	stop     chan struct{}
-	wg       sync.WaitGroup
+	stop              chan struct{}
+	wg                sync.WaitGroup
 	// width is the length of the last line drawn on a terminal.
 	width int
 }
