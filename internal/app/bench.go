@@ -7,12 +7,10 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"image/color"
 	"io"
 	"log/slog"
 	"math"
 	"os"
-	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
@@ -20,11 +18,6 @@ import (
 	"sync"
 	"text/tabwriter"
 	"time"
-
-	"gonum.org/v1/plot"
-	"gonum.org/v1/plot/plotter"
-	"gonum.org/v1/plot/plotutil"
-	"gonum.org/v1/plot/vg"
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/policy"
@@ -78,7 +71,7 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.blockSize, "block-size", defaultBlockSize, "KV block size of the workers, in tokens")
 	fs.Int64Var(&o.seed, "seed", 1, "seed for the policies and the agentic generator")
 	fs.StringVar(&o.jsonOut, "json", "", "write the results as JSON to this file")
-	fs.StringVar(&o.plotOut, "plot", "", "write the TTFT CDF per policy to this PNG (and per-worker waiting requests of the first policy to <name>-queue.png)")
+	fs.StringVar(&o.plotOut, "plot", "", "write the TTFT CDF per policy to this PNG (or .svg, .pdf), and the waiting requests per worker under the policy with the best TTFT p90 to <name>-queue.png")
 	fs.IntVar(&o.limit, "limit", 0, "replay only the first N requests (0: all)")
 	fs.BoolVar(&o.kvEvents, "kv-events", true, "workers publish KV events into the engine's index (false: the router's approximate index only)")
 	fs.BoolVar(&o.strict, "strict", false, "a malformed trace line is fatal (default: skipped, counted and reported)")
@@ -253,7 +246,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if err := plotTTFT(o.plotOut, results); err != nil {
 			return fmt.Errorf("plot: %w", err)
 		}
-		if err := plotQueue(queuePlotPath(o.plotOut), results[0]); err != nil {
+		best := bestPolicy(rep.Policies)
+		if err := plotQueue(queuePlotPath(o.plotOut), results[best], "best TTFT p90"); err != nil {
 			return fmt.Errorf("plot: %w", err)
 		}
 	}
@@ -639,94 +633,4 @@ func fmtSpeeds(f []float64) string {
 		s[i] = strconv.FormatFloat(v, 'g', -1, 64)
 	}
 	return strings.Join(s, ",")
-}
-
-// plotTTFT writes the TTFT CDF of every policy (log-scale seconds).
-func plotTTFT(path string, results []*sim.Result) error {
-	p := plot.New()
-	p.Title.Text = "TTFT CDF per policy"
-	p.X.Label.Text = "TTFT (s, log scale)"
-	p.Y.Label.Text = "fraction of requests"
-	p.X.Scale = plot.LogScale{}
-	p.X.Tick.Marker = plot.LogTicks{Prec: -1}
-	p.Y.Min, p.Y.Max = 0, 1
-	p.Legend.Top = false
-	p.Legend.Left = false
-	var lines []any
-	for _, r := range results {
-		var ttft []float64
-		for _, q := range r.Requests {
-			if q.Err == "" {
-				ttft = append(ttft, max(q.TTFT.Seconds(), 1e-4))
-			}
-		}
-		if len(ttft) == 0 {
-			continue
-		}
-		slices.Sort(ttft)
-		step := max(1, len(ttft)/2000)
-		var xy plotter.XYs
-		for i := 0; i < len(ttft); i += step {
-			xy = append(xy, plotter.XY{X: ttft[i], Y: float64(i+1) / float64(len(ttft))})
-		}
-		xy = append(xy, plotter.XY{X: ttft[len(ttft)-1], Y: 1})
-		lines = append(lines, r.Policy, xy)
-	}
-	if err := addLines(p, lines); err != nil {
-		return err
-	}
-	return p.Save(8*vg.Inch, 5*vg.Inch, path)
-}
-
-// plotQueue writes the waiting requests of every worker over time.
-func plotQueue(path string, r *sim.Result) error {
-	p := plot.New()
-	p.Title.Text = "waiting requests per worker (" + r.Policy + ")"
-	p.X.Label.Text = "virtual time (s)"
-	p.Y.Label.Text = "waiting requests"
-	var lines []any
-	for w := range r.Workers {
-		var xy plotter.XYs
-		for _, q := range r.Queue {
-			if w < len(q.Waiting) {
-				xy = append(xy, plotter.XY{X: q.At.Seconds(), Y: float64(q.Waiting[w])})
-			}
-		}
-		if len(xy) > 0 {
-			lines = append(lines, fmt.Sprintf("worker %d", w), xy)
-		}
-	}
-	if err := addLines(p, lines); err != nil {
-		return err
-	}
-	return p.Save(10*vg.Inch, 5*vg.Inch, path)
-}
-
-// addLines adds named lines with distinct colours and solid strokes.
-func addLines(p *plot.Plot, nameXY []any) error {
-	for i := 0; i+1 < len(nameXY); i += 2 {
-		l, err := plotter.NewLine(nameXY[i+1].(plotter.XYs))
-		if err != nil {
-			return err
-		}
-		l.Color = plotColor(i / 2)
-		l.Width = vg.Points(1.5)
-		p.Add(l)
-		p.Legend.Add(nameXY[i].(string), l)
-	}
-	return nil
-}
-
-func plotColor(i int) color.Color {
-	extra := []color.Color{color.RGBA{R: 0x80, G: 0x80, B: 0x80, A: 0xff}, color.RGBA{R: 0x99, G: 0x66, B: 0x33, A: 0xff}}
-	if i < 7 {
-		return plotutil.Color(i)
-	}
-	return extra[(i-7)%len(extra)]
-}
-
-// queuePlotPath is OUT-queue.png for --plot OUT.png.
-func queuePlotPath(out string) string {
-	ext := filepath.Ext(out)
-	return strings.TrimSuffix(out, ext) + "-queue" + ext
 }
