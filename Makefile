@@ -38,7 +38,7 @@ run: build ## run `kvbandit serve` on loopback with two example endpoints
 # Ctrl-C) instead of "Interrupt" or "Error 1". Elsewhere the recipe becomes
 # the demo (exec).
 demo: build ## one command, no external services: 4 simulated workers, serve + proxy, a burst of agent sessions, then serving until Ctrl-C (DEMO_FLAGS for more, e.g. --no-burst)
-	@if [ -t 0 ] && [ -t 1 ]; then set -m; ./$(BIN) demo $(DEMO_FLAGS) & fg %1 >/dev/null; else exec ./$(BIN) demo $(DEMO_FLAGS); fi
+	@if [ -t 0 ]; then set -m; ./$(BIN) demo $(DEMO_FLAGS) & fg %1 >/dev/null; else exec ./$(BIN) demo $(DEMO_FLAGS); fi
 
 .PHONY: test
 # make test fuzzes every target for TEST_FUZZTIME (make fuzz: FUZZTIME).
