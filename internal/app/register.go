@@ -19,7 +19,7 @@ import (
 )
 
 // registerUsage is the synopsis printed with usage errors.
-const registerUsage = "usage: kvbandit register --etcd-endpoints HOST:PORT[,...] --address IP:PORT [--model M ...] [flags]"
+const registerUsage = "kvbandit register --etcd-endpoints HOST:PORT[,...] --address IP:PORT [--model M ...] [flags]"
 
 // listFlag is a repeatable flag whose values may also be comma lists.
 type listFlag []string
@@ -193,14 +193,14 @@ func runRegister(ctx context.Context, args []string, _, stderr io.Writer) error 
 	o := &registerOptions{labels: labelFlag{}}
 	o.addFlags(fs)
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "%s\n\nWait until the worker answers 200 on --health-url, then keep its endpoint record at\n<prefix>/<pool>/endpoints/<id> in etcd under a lease until stopped (SIGTERM), and delete it.\n\nFlags:\n", registerUsage)
+		fmt.Fprintf(stderr, "Usage: %s\n\nWait until the worker answers 200 on --health-url, then keep its endpoint record at\n<prefix>/<pool>/endpoints/<id> in etcd under a lease until stopped (SIGTERM), and delete it.\n\nFlags:\n", registerUsage)
 		fs.PrintDefaults()
 	}
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
-		return fmt.Errorf("%w: unexpected arguments %q; %s", ErrUsage, fs.Args(), registerUsage)
+		return fmt.Errorf("%w: unexpected arguments %q (%s)", ErrUsage, fs.Args(), registerUsage)
 	}
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
@@ -211,7 +211,7 @@ func runRegister(ctx context.Context, args []string, _, stderr io.Writer) error 
 		}
 	}
 	if len(o.etcd.Endpoints) == 0 {
-		return fmt.Errorf("%w: --etcd-endpoints is required; %s", ErrUsage, registerUsage)
+		return fmt.Errorf("%w: --etcd-endpoints is required (%s)", ErrUsage, registerUsage)
 	}
 	if o.etcd.Password == "" {
 		o.etcd.Password = os.Getenv("KVBANDIT_ETCD_PASSWORD")

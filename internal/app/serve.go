@@ -132,7 +132,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.DNSRefresh, "dns-refresh", dns.DefaultRefresh, "how often endpoint host names (--endpoints, endpoints file, etcd records, config endpoints) are resolved again (Envoy's dns_refresh_rate default); a failed lookup keeps the name's last addresses")
 	fs.StringVar(&o.EndpointsFile, "endpoints-file", "", "YAML/JSON file of endpoint records (address, models, engine, block_size, kv_events, ...), reloaded on change")
 	fs.StringVar(&o.EDSAddr, "eds-addr", "", "serve the endpoint set to Envoy over xDS EDS on this address (envoy/eds.yaml; e.g. "+eds.DefaultAddr+"); a new endpoint is picked only after the connected Envoys acknowledged it")
-	fs.StringVar(&o.EtcdEndpoints, "etcd-endpoints", "", "discover workers from etcd (comma list of host:port); records under <prefix>/<pool>/endpoints/<id>, written by `kvbandit register` (TLS and auth: the config's discovery.etcd)")
+	fs.StringVar(&o.EtcdEndpoints, "etcd-endpoints", "", "discover workers from etcd (comma list of host:port); records under <prefix>/<pool>/endpoints/<id>, written by kvbandit register (TLS and auth: the config's discovery.etcd)")
 	fs.StringVar(&o.EtcdPool, "etcd-pool", etcd.DefaultPool, "etcd discovery: pool name")
 	fs.StringVar(&o.EtcdPrefix, "etcd-prefix", etcd.DefaultPrefix, "etcd discovery: key prefix")
 	fs.StringVar(&o.ConfigPath, "config", "", "YAML config file (endpoints with metadata, policy parameters)")

@@ -35,7 +35,7 @@ func runTokenize(ctx context.Context, args []string, stdin io.Reader, stdout, st
 		return err
 	}
 	if *path == "" || fs.NArg() > 0 {
-		return fmt.Errorf("%w: usage: kvbandit tokenize --tokenizer PATH [--chat] < input", ErrUsage)
+		return fmt.Errorf("%w: kvbandit tokenize --tokenizer PATH [--chat] < input", ErrUsage)
 	}
 	cfg := DefaultFileConfig()
 	m, err := tokenizerRegistry(*path, &cfg, slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))).For("")

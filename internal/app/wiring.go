@@ -88,7 +88,7 @@ func newRoutingMetrics(reg prometheus.Registerer) *routingMetrics {
 			Buckets: []float64{.001, .005, .01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30},
 		}),
 		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbandit_session_decisions_total", Help: "Decisions of requests with a prefix id, by whether they stayed on the session's previous endpoint (sticky) or moved (switch).",
+			Name: "kvbandit_session_decisions_total", Help: "Decisions of requests with a prefix id under a policy that keeps sessions (kvbandit, thompson): first (the session had no endpoint yet), sticky (stayed on the session's previous endpoint) or switch (moved to another).",
 		}, []string{"outcome"}),
 	}
 	m.overhead = prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -157,12 +157,8 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 		Logger: log, Rand: rnd, Clock: clk, Gate: gate,
 		OnDecision: func(req *routing.Request, d *routing.Decision) {
 			rm.overlap.Observe(float64(d.Overlap))
-			if req.Hints.PrefixID != "" {
-				if d.Sticky {
-					rm.outcomes.WithLabelValues("sticky").Inc()
-				} else {
-					rm.outcomes.WithLabelValues("switch").Inc()
-				}
+			if d.Session != routing.SessionUntracked {
+				rm.outcomes.WithLabelValues(d.Session.String()).Inc()
 			}
 			if dlog != nil {
 				dlog.Record(record(req, d))
@@ -301,12 +297,12 @@ func record(req *routing.Request, d *routing.Decision) decisionlog.Record {
 // posteriorCollector exports kvbandit's learned speed factors.
 type posteriorCollector struct{ p *kvbandit.Policy }
 
-var posteriorDesc = prometheus.NewDesc("kvbandit_posterior_speed_factor", "kvbandit's posterior mean speed factor per endpoint rank (> 1: slower than the fleet).", []string{"endpoint", "dp_rank"}, nil)
+var posteriorDesc = prometheus.NewDesc("kvbandit_posterior_speed_factor", "kvbandit's learned speed factor per endpoint rank relative to the fleet's geometric mean: 1 average, 2 twice as slow, 0.5 twice as fast (posterior mean; about 1 everywhere on an even fleet).", []string{"endpoint", "dp_rank"}, nil)
 
 func (posteriorCollector) Describe(ch chan<- *prometheus.Desc) { ch <- posteriorDesc }
 func (c posteriorCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, p := range c.p.Posteriors() {
-		ch <- prometheus.MustNewConstMetric(posteriorDesc, prometheus.GaugeValue, p.Factor, string(p.Endpoint), strconv.Itoa(p.DPRank))
+		ch <- prometheus.MustNewConstMetric(posteriorDesc, prometheus.GaugeValue, p.Relative, string(p.Endpoint), strconv.Itoa(p.DPRank))
 	}
 }
 

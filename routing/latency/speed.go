@@ -170,7 +170,13 @@ type Speed struct {
 	Endpoint routing.EndpointKey
 	DPRank   int
 	// Factor is exp(mean): > 1 means slower than the fleet's pooled fit.
-	Factor       float64
+	// The pooled fit takes a while to find the fleet's scale, so every
+	// endpoint's Factor can sit above (or below) 1 together.
+	Factor float64
+	// Relative is Factor over the fleet's geometric mean factor (the
+	// endpoints learnt so far): 1 is the fleet's average speed, 2 twice as
+	// slow, 0.5 twice as fast. On an even fleet every endpoint reads about 1.
+	Relative     float64
 	Sigma        float64
 	Observations int
 }
@@ -178,13 +184,25 @@ type Speed struct {
 // Speeds returns the current factors, sorted by endpoint and rank.
 func (m *Model) Speeds() []Speed {
 	var out []Speed
+	var logs []float64
 	m.speeds.Range(func(kk, val any) bool {
 		k := kk.(key)
 		if v := val.(*belief).v.Load(); v != nil {
 			out = append(out, Speed{Endpoint: k.ep, DPRank: k.rank, Factor: math.Exp(v.m), Sigma: 1 / math.Sqrt(v.p), Observations: v.n})
+			logs = append(logs, v.m)
 		}
 		return true
 	})
+	// The fleet's mean log factor over this very snapshot (not fleetPrior,
+	// which a concurrent update may have moved), so the Relative factors'
+	// geometric mean is 1.
+	var sum float64
+	for _, l := range logs {
+		sum += l
+	}
+	for i := range out {
+		out[i].Relative = math.Exp(logs[i] - sum/float64(len(logs)))
+	}
 	slices.SortFunc(out, func(a, b Speed) int {
 		if a.Endpoint != b.Endpoint {
 			if a.Endpoint < b.Endpoint {

@@ -101,7 +101,15 @@ type Config struct {
 	// requests whose Hints carry a TTFTObjective; the zero value takes
 	// its defaults.
 	SLO slo.Config
+	// Progress, when set, is called on Run's goroutine with the number of
+	// requests routed so far, every ProgressEvery arrivals and after the
+	// last one. It must return quickly.
+	Progress func(arrived int)
 }
+
+// ProgressEvery is how many arrivals pass between two Config.Progress
+// calls.
+const ProgressEvery = 64
 
 // ReqResult is what happened to one request (in the order of the input).
 // Worker is -1 and Err set when the request was not served.
@@ -355,7 +363,7 @@ func Run(ctx context.Context, cfg Config, reqs []Request) (*Result, error) {
 		rbs = wcs[0].BlockSize
 	}
 	s := &simulation{
-		ctx: ctx, vc: vc, reqs: reqs, log: log, syncDelay: cfg.SyncDelay, scrapeEvery: cfg.ScrapeInterval,
+		ctx: ctx, vc: vc, reqs: reqs, log: log, syncDelay: cfg.SyncDelay, scrapeEvery: cfg.ScrapeInterval, progress: cfg.Progress,
 		res: &Result{
 			Policy: cfg.Policy, Requests: make([]ReqResult, len(reqs)), Workers: make([]WorkerResult, len(wcs)),
 			Replicas: max(cfg.Replicas, 1), Entered: make([]int, max(cfg.Replicas, 1)),
@@ -431,6 +439,8 @@ type simulation struct {
 	open     []*active
 	lastDone time.Duration
 	res      *Result
+	// progress is Config.Progress.
+	progress func(arrived int)
 }
 
 func (s *simulation) hook(w *worker, key routing.EndpointKey, events bool) {
@@ -563,6 +573,9 @@ func (s *simulation) loop(schedule []Change) error {
 		default:
 			s.arrive(next)
 			next++
+			if s.progress != nil && (next%ProgressEvery == 0 || next == len(s.reqs)) {
+				s.progress(next)
+			}
 		}
 	}
 }

@@ -196,3 +196,14 @@ func BenchmarkRun(b *testing.B) {
 		}
 	}
 }
+
+// TestProgress: Config.Progress sees the arrivals grow every ProgressEvery
+// requests and ends at the last one.
+func TestProgress(t *testing.T) {
+	reqs := synthetic(2*ProgressEvery+10, 4, 256, 32, 50, 1)
+	var got []int
+	run(t, Config{Workers: make([]WorkerConfig, 2), Policy: "round_robin", Progress: func(n int) { got = append(got, n) }}, reqs)
+	if want := []int{ProgressEvery, 2 * ProgressEvery, len(reqs)}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("progress %v, want %v", got, want)
+	}
+}

@@ -356,6 +356,9 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 	}
 	feat := latency.FromCandidate(c, s.ISL, bs, s.TierWeights)
 	ch := routing.Choice{Index: idx, Scores: costs, Sticky: hasSess && sess.Last != "" && sess.Last == c.Key()}
+	if hasSess {
+		ch.Session = routing.SessionTurnOf(sess.Last != "", ch.Sticky)
+	}
 	if s.WantPredicted {
 		ch.Predicted = p.Predict(s)
 	} else {
@@ -450,7 +453,10 @@ type Posterior struct {
 	Endpoint routing.EndpointKey
 	DPRank   int
 	// Factor is exp(mean): > 1 means slower than the fleet's pooled fit.
-	Factor       float64
+	Factor float64
+	// Relative is Factor over the fleet's geometric mean: 1 is the fleet's
+	// average speed, > 1 slower (see latency.Speed).
+	Relative     float64
 	Sigma        float64
 	Observations int
 }

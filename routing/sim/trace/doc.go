@@ -13,6 +13,9 @@
 //   - [Agentic]: a seeded generator of multi-turn agent sessions that
 //     resend a growing history, with x-prefix-* style hints.
 //
+// [Detect] names the format of a file from its first bytes, so a caller
+// can suggest the right reader instead of reporting every line bad.
+//
 // Readers report malformed lines with their line number. With
 // [Options.Strict] the first bad line is fatal; otherwise bad lines are
 // skipped and counted in a [Report]. An empty trace is an error.

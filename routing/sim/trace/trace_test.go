@@ -294,3 +294,24 @@ func TestBounds(t *testing.T) {
 		t.Errorf("finite %v, want %v", got.Finite, want)
 	}
 }
+
+func TestDetect(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		head, want string
+	}{
+		{`{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}` + "\n", FormatMooncake},
+		{"\n\n  {\"timestamp\": 0", FormatMooncake}, // blank lines, a cut first line
+		{"TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.6805900,374,44\n", FormatAzure},
+		{"\xef\xbb\xbftimestamp,contexttokens,generatedtokens", FormatAzure}, // BOM, lower case, no newline
+		{"2023-11-16 18:15:46.6805900,374,44\n", ""},                         // no header: ReadAzure wants one
+		{"a,b,c\n", ""},
+		{"", ""},
+		{"\n \n", ""},
+		{"\x00\x01binary", ""},
+	} {
+		if got := Detect([]byte(c.head)); got != c.want {
+			t.Errorf("Detect(%q) = %q, want %q", c.head, got, c.want)
+		}
+	}
+}
