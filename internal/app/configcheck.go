@@ -21,9 +21,17 @@ import (
 // without serving.
 func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) error {
 	const usage = "usage: kvbandit config check FILE [serve flags]"
+	fs := flag.NewFlagSet("config check", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, usage)
+		fs.PrintDefaults()
+	}
+	var o ServeOptions
+	o.AddFlags(fs)
 	if len(args) == 0 || args[0] != "check" {
 		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help") {
-			fmt.Fprintln(stderr, usage)
+			fs.Usage()
 			return flag.ErrHelp
 		}
 		return fmt.Errorf("%w: %s", ErrUsage, usage)
@@ -33,10 +41,6 @@ func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
 		file, args = args[0], args[1:]
 	}
-	fs := flag.NewFlagSet("config check", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	var o ServeOptions
-	o.AddFlags(fs)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}

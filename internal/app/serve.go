@@ -170,7 +170,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file for the Kubernetes API server (discovery, --leader-elect); empty: in-cluster service account, else $KUBECONFIG or ~/.kube/config")
 	o.LeaderElect.AddFlags(fs)
 	fs.StringVar(&o.SyncNATS, "sync-nats", "", "active-active replicas: NATS URL[,URL...] shared by the replicas of the pool (in-flight decisions, outcomes); auth, TLS and intervals in the config's sync section; off when empty")
-	fs.BoolVar(&o.DryRun, "dry-run", false, "load and validate the config and flags, resolve tokenizers and discovery settings (nothing contacted), print the effective config, and exit (as `kvbandit config check`)")
+	fs.BoolVar(&o.DryRun, "dry-run", false, "load and validate the config and flags, resolve tokenizers and discovery settings (nothing contacted), print the effective config, and exit (as kvbandit config check does)")
 	fs.StringVar(&o.ReplicaID, "replica-id", "", "this replica's id among the --sync-nats peers, unique in the pool (default: hostname-<6 random hex>)")
 }
 
