@@ -158,51 +158,36 @@ func TestFastPathExactSource(t *testing.T) {
 	}
 }
 
-// fuzzInput reads fuzz-supplied message JSON into an Input, tolerating
-// anything; false when it is not a JSON array of objects.
-func fuzzInput(messages string) (chat.Input, bool) {
-	var raw []map[string]json.RawMessage
-	if json.Unmarshal([]byte(messages), &raw) != nil {
-		return chat.Input{}, false
+// fuzzConversation builds a conversation from fuzz input: one message per
+// byte of roles (its low bits pick the role; bit 3 gives an assistant a
+// reasoning_content; bit 4 sends the content as text parts; bit 5 adds an
+// extra key), contents taken in turn from text split at "|".
+func fuzzConversation(roles []byte, text string) []chat.Message {
+	names := []string{"user", "assistant", "system", "tool", "wizard"}
+	parts := strings.Split(text, "|")
+	next := func() string {
+		p := parts[0]
+		parts = append(parts[1:], p)
+		return p
 	}
-	var in chat.Input
-	for _, r := range raw {
-		var m chat.Message
-		for k, v := range r {
-			var err error
-			switch k {
-			case "role":
-				err = json.Unmarshal(v, &m.Role)
-			case "name":
-				err = json.Unmarshal(v, &m.Name)
-			case "content":
-				var s string
-				if json.Unmarshal(v, &s) == nil {
-					m.Content = s
-				} else if string(v) != "null" {
-					m.Content = v
-				}
-			case "reasoning_content":
-				err = json.Unmarshal(v, &m.ReasoningContent)
-			case "tool_calls":
-				var calls []json.RawMessage
-				err = json.Unmarshal(v, &calls)
-				for _, c := range calls {
-					m.ToolCalls = append(m.ToolCalls, c)
-				}
-			default:
-				if m.Extra == nil {
-					m.Extra = map[string]any{}
-				}
-				m.Extra[k] = v
-			}
-			if err != nil {
-				return chat.Input{}, false
-			}
+	var msgs []chat.Message
+	for _, r := range roles[:min(len(roles), 64)] {
+		m := chat.Message{Role: names[int(r&7)%len(names)]}
+		m.Content = next()
+		if r&0x10 != 0 {
+			raw, _ := json.Marshal([]map[string]string{{"type": "text", "text": m.Content.(string)}, {"type": "text", "text": next()}})
+			m.Content = json.RawMessage(raw)
 		}
-		in.Messages = append(in.Messages, m)
+		if r&0x08 != 0 && m.Role == "assistant" {
+			rc := next()
+			m.ReasoningContent = &rc
+		}
+		if r&0x20 != 0 {
+			m.Extra = map[string]any{"refusal": nil}
+		}
+		msgs = append(msgs, m)
 	}
-	return in, true
+	return msgs
 }
 
 // FuzzFastPath renders random conversations with each model's fast path and
@@ -225,21 +210,17 @@ func FuzzFastPath(f *testing.F) {
 	}
 	for i := range tmpls {
 		model := uint8(i)
-		f.Add(model, `[{"role":"system","content":"s"},{"role":"user","content":"q"},{"role":"assistant","content":"<think>\nr\n</think>\n\na"},{"role":"user","content":"q2"}]`, true, uint8(0))
-		f.Add(model, `[{"role":"user","content":"q"},{"role":"assistant","content":"\n\n</think>\n\na\n"}]`, false, uint8(1))
-		f.Add(model, `[{"role":"user","content":"q"},{"role":"assistant","content":"a","reasoning_content":"\nr\n"},{"role":"tool","content":"t1"},{"role":"tool","content":"t2"},{"role":"user","content":"<tool_response>x</tool_response>"}]`, true, uint8(2))
-		f.Add(model, `[{"role":"user","content":[{"type":"text","text":" a "},{"type":"text","text":"b\u001c"}]},{"role":"assistant","content":null,"refusal":null},{"role":"system","content":"late"}]`, true, uint8(3))
-		f.Add(model, `[{"role":"assistant","content":"<think>x<think>y</think>z</think>w"},{"role":"wizard","content":"?"}]`, false, uint8(0))
+		f.Add(model, []byte{2, 0, 1, 0}, "s|q|<think>\nr\n</think>\n\na|q2", true, uint8(0))
+		f.Add(model, []byte{0, 1}, "q|\n\n</think>\n\na\n", false, uint8(1))
+		f.Add(model, []byte{0, 1 | 8, 3, 3, 0}, "q|\na|\nr\n|t1|t2|<tool_response>x</tool_response>", true, uint8(2))
+		f.Add(model, []byte{0x10, 1 | 0x20, 2}, " a | b\x1c|ok|late", true, uint8(3))
+		f.Add(model, []byte{1, 4, 0, 1 | 8}, "<think>x<think>y</think>z</think>w|?|q|\n a|", false, uint8(0))
 	}
-	f.Fuzz(func(t *testing.T, model uint8, messages string, addGen bool, thinking uint8) {
-		in, ok := fuzzInput(messages)
-		if !ok {
-			return
-		}
+	f.Fuzz(func(t *testing.T, model uint8, roles []byte, text string, addGen bool, thinking uint8) {
 		i := int(model) % len(tmpls)
 		tmpl := tmpls[i]
-		in.AddGenerationPrompt = addGen
-		in.BOSToken, in.EOSToken = specials[i].BOSToken, specials[i].EOSToken
+		in := chat.Input{Messages: fuzzConversation(roles, text), AddGenerationPrompt: addGen,
+			BOSToken: specials[i].BOSToken, EOSToken: specials[i].EOSToken, MaxOutputBytes: 1 << 20}
 		switch thinking % 4 {
 		case 1:
 			in.Extra = map[string]any{"enable_thinking": json.RawMessage("false")}
@@ -248,7 +229,6 @@ func FuzzFastPath(f *testing.F) {
 		case 3:
 			in.Extra = map[string]any{"enable_thinking": "no"}
 		}
-		in.MaxOutputBytes = 1 << 20
 		fast, ok := chat.RenderFast(tmpl, in)
 		if !ok {
 			return
