@@ -53,10 +53,6 @@ type fastMessage struct {
 	reasoning *string
 }
 
-// maxFastMessages keeps the per-render message slice on the stack-sized
-// path for ordinary conversations; longer ones still work (append grows).
-const maxFastMessages = 64
-
 // run renders in through the fast path, or reports false. It declines
 // everything the engine would see differently from what the fast paths
 // model: tools, assistant tool calls, message Extra keys that a template
@@ -74,8 +70,7 @@ func (p *fastPath) run(in *Input) (string, bool) {
 			return "", false
 		}
 	}
-	var buf [maxFastMessages]fastMessage
-	msgs := buf[:0]
+	msgs := make([]fastMessage, 0, len(in.Messages))
 	size := 64
 	for _, m := range in.Messages {
 		if m.Role == "" || (m.Role == "assistant" && m.ToolCalls != nil) {
