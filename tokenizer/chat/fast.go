@@ -34,8 +34,9 @@ func fastPathFor(src string) *fastPath {
 		// Qwen3 (Qwen/Qwen3-* tokenizer_config.json).
 		return &fastPath{name: "qwen3", render: renderQwen3, kwargs: []string{"enable_thinking"}}
 	case "ba03a121d097859c7b5b9cd03af99aafe95275210d2876f642ad9929a150f122":
-		// Llama 3 / 3.1 without tools (the template without a system-prompt
-		// date block, as in Meta-Llama-3-8B-Instruct).
+		// Meta-Llama-3-*-Instruct's template (also the llama3_1 test
+		// fixture's). Llama 3.1's template with tools and a date block has
+		// another hash and runs the engine.
 		return &fastPath{name: "llama3", render: renderLlama3}
 	case "26a59556925c987317ce5291811ba3b7f32ec4c647c400c6cc7e3a9993007ba7":
 		// Mistral-7B-Instruct v0.1.

@@ -35,15 +35,7 @@ func TestFastPathOracle(t *testing.T) {
 			if want == "" {
 				return
 			}
-			var req []map[string]any
-			for _, c := range cases {
-				req = append(req, map[string]any{
-					"template": m.src, "messages": c.Messages, "tools": c.Tools, "extra": c.Extra,
-					"add_generation_prompt": c.AddGenerationPrompt,
-					"bos_token":             m.sp.BOSToken, "eos_token": m.sp.EOSToken,
-				})
-			}
-			oracle := runOracle(t, req)
+			oracle := runOracle(t, oracleRequests(m, cases))
 			accepted := 0
 			for i, c := range cases {
 				in := c.input(t, m.sp)
