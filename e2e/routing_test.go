@@ -113,6 +113,12 @@ func TestRealTokenizer(t *testing.T) {
 	if n := metric(samples, "kvbandit_tokenizer_cache_hits_total", nil); n == 0 {
 		t.Error("no tokenizer prefix-cache hits for a growing conversation")
 	}
+	// Qwen3's template has a compiled fast path: none of the 4 renders
+	// needed the Jinja engine.
+	if f, e := metric(samples, "kvbandit_chat_render_total", map[string]string{"path": "fast"}),
+		metric(samples, "kvbandit_chat_render_total", map[string]string{"path": "engine"}); f != 4 || e != 0 {
+		t.Errorf("chat renders: %v fast, %v engine; want 4 fast", f, e)
+	}
 	k.waitReleased(t)
 }
 

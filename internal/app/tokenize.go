@@ -72,12 +72,14 @@ var (
 	tokCacheHits  = prometheus.NewDesc("kvbandit_tokenizer_cache_hits_total", "Prompt chunks found in the tokenizer's prefix cache.", []string{"tokenizer"}, nil)
 	tokCacheMiss  = prometheus.NewDesc("kvbandit_tokenizer_cache_misses_total", "Prompt chunks encoded because the prefix cache did not hold them.", []string{"tokenizer"}, nil)
 	tokCacheBytes = prometheus.NewDesc("kvbandit_tokenizer_cache_bytes", "Bytes held by the tokenizer's prefix cache.", []string{"tokenizer"}, nil)
+	chatRenders   = prometheus.NewDesc("kvbandit_chat_render_total", "Chat template renders by path: fast (the template's compiled fast path) or engine (the Jinja engine).", []string{"tokenizer", "path"}, nil)
 )
 
 func (tokenizerCacheCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- tokCacheHits
 	ch <- tokCacheMiss
 	ch <- tokCacheBytes
+	ch <- chatRenders
 }
 
 func (c tokenizerCacheCollector) Collect(ch chan<- prometheus.Metric) {
@@ -85,5 +87,9 @@ func (c tokenizerCacheCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(tokCacheHits, prometheus.CounterValue, float64(st.Hits), path)
 		ch <- prometheus.MustNewConstMetric(tokCacheMiss, prometheus.CounterValue, float64(st.Misses), path)
 		ch <- prometheus.MustNewConstMetric(tokCacheBytes, prometheus.GaugeValue, float64(st.Bytes), path)
+	}
+	for path, st := range c.r.ChatRenderStats() {
+		ch <- prometheus.MustNewConstMetric(chatRenders, prometheus.CounterValue, float64(st.Fast), path, "fast")
+		ch <- prometheus.MustNewConstMetric(chatRenders, prometheus.CounterValue, float64(st.Engine), path, "engine")
 	}
 }

@@ -268,17 +268,38 @@ func conversation(turns int, sp chat.Special) chat.Input {
 	return in
 }
 
-// BenchmarkRender renders a 20-turn Qwen3 conversation.
+// BenchmarkRender renders a Qwen3 conversation of 1, 5 and 20 turns (a
+// system prompt, turns of user question and assistant answer with reasoning,
+// then a new question: the request of turn N+1) with the Jinja engine
+// (engine=gonja) and through Render, which takes the compiled fast path
+// (engine=fast). There is no rendered-prefix cache: a conversation whose
+// earlier turns were seen costs what engine=fast does.
 //
 //	go test -run '^$' -bench Render -benchmem -count 6 ./tokenizer/chat/ | benchstat -
 func BenchmarkRender(b *testing.B) {
 	tmpl, sp := qwen3(b)
-	in := conversation(20, sp)
-	b.ReportAllocs()
-	for b.Loop() {
-		if _, err := tmpl.Render(b.Context(), in); err != nil {
-			b.Fatal(err)
-		}
+	for _, turns := range []int{1, 5, 20} {
+		in := conversation(turns, sp)
+		b.Run(fmt.Sprintf("engine=gonja/turns=%d", turns), func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := chat.RenderEngine(b.Context(), tmpl, in); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run(fmt.Sprintf("engine=fast/turns=%d", turns), func(b *testing.B) {
+			before := tmpl.Stats()
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := tmpl.Render(b.Context(), in); err != nil {
+					b.Fatal(err)
+				}
+			}
+			if tmpl.Stats().Engine != before.Engine {
+				b.Fatal("the fast path declined: this measured the engine")
+			}
+		})
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/nikolalohinski/gonja/v2/config"
@@ -105,6 +106,9 @@ type Template struct {
 	src    string
 	tmpl   *exec.Template
 	format ContentFormat
+	fast   *fastPath // nil: no fast path for this source
+	// Renders by path, for [Template.Stats].
+	fastRenders, engineRenders atomic.Uint64
 }
 
 // Compile parses a chat template. A template the engine cannot parse gives an
@@ -131,7 +135,30 @@ func Compile(src string) (t *Template, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrUnsupported, err)
 	}
-	return &Template{src: src, tmpl: tmpl, format: detectContentFormat(src)}, nil
+	return &Template{src: src, tmpl: tmpl, format: detectContentFormat(src), fast: fastPathFor(src)}, nil
+}
+
+// FastPath names the compiled fast path of this template ("qwen3", "llama3",
+// "mistral-instruct"), or returns "" when every render runs the engine.
+func (t *Template) FastPath() string {
+	if t.fast == nil {
+		return ""
+	}
+	return t.fast.name
+}
+
+// RenderStats counts renders by the path that produced them.
+type RenderStats struct {
+	// Fast: rendered by the template's compiled fast path.
+	Fast uint64
+	// Engine: rendered (or rejected) by the Jinja engine, because the
+	// template has no fast path or the fast path declined the input.
+	Engine uint64
+}
+
+// Stats returns the template's render counters since it was compiled.
+func (t *Template) Stats() RenderStats {
+	return RenderStats{Fast: t.fastRenders.Load(), Engine: t.engineRenders.Load()}
 }
 
 // ContentFormat reports how this template wants message content, detected
@@ -146,7 +173,26 @@ func (t *Template) Source() string { return t.src }
 
 // Render renders in. It stops early when ctx is done or the output exceeds
 // in.MaxOutputBytes.
-func (t *Template) Render(ctx context.Context, in Input) (out string, err error) {
+//
+// A template with a fast path ([Template.FastPath]) renders the inputs that
+// path handles without the engine, with the same output; others, and every
+// error, come from the engine.
+func (t *Template) Render(ctx context.Context, in Input) (string, error) {
+	if err := ctx.Err(); err != nil {
+		return "", err
+	}
+	if t.fast != nil {
+		if out, ok := t.fast.run(&in); ok {
+			t.fastRenders.Add(1)
+			return out, nil
+		}
+	}
+	t.engineRenders.Add(1)
+	return t.renderEngine(ctx, in)
+}
+
+// renderEngine renders in with the Jinja engine.
+func (t *Template) renderEngine(ctx context.Context, in Input) (out string, err error) {
 	if err := ctx.Err(); err != nil {
 		return "", err
 	}

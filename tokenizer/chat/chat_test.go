@@ -140,6 +140,19 @@ func runOracle(t testing.TB, cases []map[string]any) []oracleResult {
 	return res
 }
 
+// oracleRequests asks the oracle to render every case with m's template.
+func oracleRequests(m model, cases []testCase) []map[string]any {
+	var req []map[string]any
+	for _, c := range cases {
+		req = append(req, map[string]any{
+			"template": m.src, "messages": c.Messages, "tools": c.Tools, "extra": c.Extra,
+			"add_generation_prompt": c.AddGenerationPrompt,
+			"bos_token":             m.sp.BOSToken, "eos_token": m.sp.EOSToken,
+		})
+	}
+	return req
+}
+
 func loadCases(t testing.TB) []testCase {
 	t.Helper()
 	raw, err := os.ReadFile("testdata/cases.json")
@@ -161,15 +174,7 @@ func TestOracle(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var req []map[string]any
-			for _, c := range cases {
-				req = append(req, map[string]any{
-					"template": m.src, "messages": c.Messages, "tools": c.Tools, "extra": c.Extra,
-					"add_generation_prompt": c.AddGenerationPrompt,
-					"bos_token":             m.sp.BOSToken, "eos_token": m.sp.EOSToken,
-				})
-			}
-			want := runOracle(t, req)
+			want := runOracle(t, oracleRequests(m, cases))
 			pass := 0
 			for i, c := range cases {
 				got, err := tmpl.Render(t.Context(), c.input(t, m.sp))

@@ -65,6 +65,18 @@
 // shows its strings without repr(). The Qwen3, Llama 3, Kimi-K2 and
 // Mistral-Instruct templates do not hit them.
 //
+// # Fast paths
+//
+// The templates of Qwen3, Meta-Llama-3-Instruct and Mistral-7B-Instruct
+// v0.1, recognised by the SHA-256 of their exact source, also have a Go
+// implementation ([Template.FastPath]) that [Template.Render] uses for the
+// inputs it reproduces exactly (no tools, no tool calls, known kwargs,
+// input the engine accepts); it declines anything else, and the engine
+// renders it, so every error still comes from the engine. The tests hold
+// it to the engine's and Python Jinja2's output on the oracle corpus and
+// to the engine's on random conversations (FuzzFastPath).
+// [Template.Stats] counts renders by path.
+//
 // # Errors
 //
 // A template the engine cannot parse or execute gives an error wrapping

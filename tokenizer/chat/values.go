@@ -40,13 +40,7 @@ func prepareMessages(in []Message, format ContentFormat) (pyList, error) {
 			}
 			set(d, "content", list)
 		} else {
-			var texts []string
-			for _, p := range parts {
-				if p.Get(exec.AsValue("type")).String() == "text" {
-					texts = append(texts, p.Get(exec.AsValue("text")).String())
-				}
-			}
-			set(d, "content", strings.Join(texts, "\n"))
+			set(d, "content", joinText(parts))
 		}
 		if m.Role == "assistant" && m.ToolCalls != nil {
 			calls, err := toolCalls(m.ToolCalls)
@@ -126,6 +120,18 @@ func contentParts(c any) ([]*exec.Dict, error) {
 		return out, nil
 	}
 	return nil, fmt.Errorf("unexpected type %T (want string or parts)", c)
+}
+
+// joinText is a string-format message's content: its text parts joined
+// with "\n", other parts dropped.
+func joinText(parts []*exec.Dict) string {
+	var texts []string
+	for _, p := range parts {
+		if p.Get(exec.AsValue("type")).String() == "text" {
+			texts = append(texts, p.Get(exec.AsValue("text")).String())
+		}
+	}
+	return strings.Join(texts, "\n")
 }
 
 func textPart(s string) *exec.Dict {

@@ -101,7 +101,11 @@ func (r *Registry) For(model string) (*Model, error) {
 			r.log.Error("tokenizer failed to load; requests for its models are routed on estimated tokens", "path", path, "err", e.err)
 		} else {
 			e.loaded.Store(e.m)
-			r.log.Info("tokenizer loaded", "path", path, "chat_template", e.m.tmpl != nil)
+			fast := ""
+			if e.m.tmpl != nil {
+				fast = e.m.tmpl.FastPath()
+			}
+			r.log.Info("tokenizer loaded", "path", path, "chat_template", e.m.tmpl != nil, "chat_fast_path", fast)
 		}
 	})
 	return e.m, e.err
@@ -148,6 +152,20 @@ func (r *Registry) CacheStats() map[string]tokenizer.PrefixCacheStats {
 			if pc, ok := m.tok.(*tokenizer.PrefixCache); ok {
 				out[k.(string)] = pc.Stats()
 			}
+		}
+		return true
+	})
+	return out
+}
+
+// ChatRenderStats returns, by path, how each loaded tokenizer's chat
+// template rendered requests: by its compiled fast path or by the Jinja
+// engine (tokenizers without a usable template are left out).
+func (r *Registry) ChatRenderStats() map[string]chat.RenderStats {
+	out := map[string]chat.RenderStats{}
+	r.paths.Range(func(k, v any) bool {
+		if m := v.(*entry).loaded.Load(); m != nil && m.tmpl != nil {
+			out[k.(string)] = m.tmpl.Stats()
 		}
 		return true
 	})

@@ -101,6 +101,12 @@ func TestEncodeChatMatchesOracle(t *testing.T) {
 		}
 		got = append(got, ids)
 	}
+	// The request path takes the template's fast path for every
+	// conversation without tools (request bodies as ChatInput reads them:
+	// content parts, chat_template_kwargs); the two with tools run the engine.
+	if st := reg.ChatRenderStats()[model]; st.Fast != 5 || st.Engine != 2 {
+		t.Errorf("chat renders by path %+v, want 5 fast and 2 engine", st)
+	}
 	in, _ := json.Marshal(cases)
 	py := exec.CommandContext(t.Context(), "python3", "../chat/testdata/oracle.py")
 	py.Stdin = bytes.NewReader(in)
