@@ -199,3 +199,31 @@ func TestTracingRefusal(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkExtProcExchangeTracing is BenchmarkExtProcExchange's 4 KiB
+// kvbandit exchange with tracing on and every request sampled (spans are
+// recorded, then dropped: no exporter), for the cost of tracing on; with
+// tracing off the exchange is BenchmarkExtProcExchange itself.
+//
+//	go test -run '^$' -bench 'ExtProcExchange(Tracing)?/body=4KB/server=kvbandit' -benchmem -count 6 ./extproc/
+func BenchmarkExtProcExchangeTracing(b *testing.B) {
+	body := chatBody(4 << 10)
+	b.Run("body=4KB/server=kvbandit", func(b *testing.B) {
+		e := routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
+		defer e.Close()
+		if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}, {Key: "10.0.0.2:8000"}}}); err != nil {
+			b.Fatal(err)
+		}
+		tracer := tracing.FromProvider(sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.AlwaysSample())))
+		srv := extproc.NewServer(extproc.Config{ResponseProcessing: true}, extproc.Deps{Picker: e, Logger: slog.New(slog.DiscardHandler), Tracer: tracer})
+		client, stop := startServer(b, srv)
+		defer stop()
+		b.SetBytes(int64(len(body)))
+		b.ReportAllocs()
+		for b.Loop() {
+			if err := exchange(b.Context(), client, body); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
