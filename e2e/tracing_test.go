@@ -234,32 +234,12 @@ func testTracing(t *testing.T, sink *spanSink) {
 	p := startProxy(t, k, envoysim.Config{})
 	c := httpClient(t)
 
-	// Through the ext_proc server.
-	extTrace, extParent := randomHex(t, 16), randomHex(t, 8)
-	r := send(t, c, http.MethodPost, p.URL()+"/v1/chat/completions", chatRequest(300, ""),
-		map[string]string{"traceparent": "00-" + extTrace + "-" + extParent + "-01", "tracestate": "vendor=x"})
-	if r.status != http.StatusOK {
-		t.Fatalf("ext_proc request: %d %s", r.status, r.body)
-	}
-	extWorker := r.worker()
-
-	// Through the standalone proxy.
-	pxTrace, pxParent := randomHex(t, 16), randomHex(t, 8)
-	r = send(t, c, http.MethodPost, proxyURL+"/v1/chat/completions", chatRequest(300, ""),
-		map[string]string{"traceparent": "00-" + pxTrace + "-" + pxParent + "-01"})
-	if r.status != http.StatusOK {
-		t.Fatalf("proxy request: %d %s", r.status, r.body)
-	}
-	pxWorker := r.worker()
-
-	// An unsampled client trace: kvbandit passes the context on, exports
+	// Through the ext_proc server, then the standalone proxy; then an
+	// unsampled client trace: kvbandit passes the context on, exports
 	// nothing.
-	offTrace, offParent := randomHex(t, 16), randomHex(t, 8)
-	r = send(t, c, http.MethodPost, proxyURL+"/v1/chat/completions", chatRequest(300, ""),
-		map[string]string{"traceparent": "00-" + offTrace + "-" + offParent + "-00"})
-	if r.status != http.StatusOK {
-		t.Fatalf("unsampled proxy request: %d %s", r.status, r.body)
-	}
+	extTrace, extParent, extWorker := tracedRequest(t, c, p.URL(), "01", "vendor=x")
+	pxTrace, pxParent, pxWorker := tracedRequest(t, c, proxyURL, "01", "")
+	offTrace, offParent, _ := tracedRequest(t, c, proxyURL, "00", "")
 
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
@@ -315,6 +295,23 @@ func testTracing(t *testing.T, sink *spanSink) {
 	if !found {
 		t.Errorf("unsampled request: no worker got a traceparent of trace %s", offTrace)
 	}
+}
+
+// tracedRequest sends a chat completion to base with a new client trace
+// context (traceparent flags, and tracestate when not ""); it returns the
+// trace id, the client's span id and the worker that served.
+func tracedRequest(t *testing.T, c *http.Client, base, flags, state string) (trace, parent, served string) {
+	t.Helper()
+	trace, parent = randomHex(t, 16), randomHex(t, 8)
+	hdr := map[string]string{"traceparent": "00-" + trace + "-" + parent + "-" + flags}
+	if state != "" {
+		hdr["tracestate"] = state
+	}
+	r := send(t, c, http.MethodPost, base+"/v1/chat/completions", chatRequest(300, ""), hdr)
+	if r.status != http.StatusOK {
+		t.Fatalf("request to %s: %d %s", base, r.status, r.body)
+	}
+	return trace, parent, r.worker()
 }
 
 func randomHex(t *testing.T, n int) string {

@@ -167,9 +167,9 @@ func (s Span) StartUpstream(req *http.Request, endpoint string) Upstream {
 	}
 	ctx, sp := s.t.tracer.Start(trace.ContextWithSpan(req.Context(), s.span), SpanUpstream,
 		trace.WithSpanKind(trace.SpanKindClient), trace.WithAttributes(
-			attribute.String("http.request.method", req.Method),
+			attribute.String("http.request.method", truncate(req.Method, maxMethodBytes)),
 			attribute.String("server.address", endpoint),
-			attribute.String("url.path", req.URL.Path)))
+			attribute.String("url.path", truncate(req.URL.Path, maxPathBytes))))
 	req.Header.Del(HeaderTracestate)
 	s.t.prop.Inject(ctx, propagation.HeaderCarrier(req.Header))
 	return Upstream{span: sp}

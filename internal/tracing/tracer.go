@@ -18,6 +18,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -184,12 +185,14 @@ const (
 
 // StartStream starts an ext_proc stream's server span, at start, as a
 // child of the trace context in c (a new trace when c has none or an
-// invalid one). path and requestID are the request's (already bounded).
+// invalid one). path (:path; its query is left out) and requestID are the
+// request's, already bounded.
 func (t *Tracer) StartStream(c *Carrier, start time.Time, path, requestID string) Span {
 	if t == nil {
 		return Span{}
 	}
 	ctx := t.prop.Extract(context.Background(), c)
+	path, _, _ = strings.Cut(path, "?") // the query may carry secrets
 	attrs := []attribute.KeyValue{attribute.String("url.path", path)}
 	if requestID != "" {
 		attrs = append(attrs, attribute.String("kvbandit.request_id", requestID))
@@ -208,13 +211,20 @@ func (t *Tracer) StartHTTP(w http.ResponseWriter, r *http.Request, path string) 
 	}
 	ctx := t.prop.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
 	ctx, sp := t.tracer.Start(ctx, SpanProxy, trace.WithSpanKind(trace.SpanKindServer), trace.WithAttributes(
-		attribute.String("http.request.method", r.Method), attribute.String("url.path", path)))
+		attribute.String("http.request.method", truncate(r.Method, maxMethodBytes)), attribute.String("url.path", truncate(path, maxPathBytes))))
 	if id := r.Header.Get("X-Request-Id"); id != "" {
 		sp.SetAttributes(attribute.String("kvbandit.request_id", truncate(id, 128)))
 	}
 	rec := &statusRecorder{ResponseWriter: w}
 	return rec, r.WithContext(ctx), Span{span: sp, t: t, rec: rec}
 }
+
+// Bounds on request strings copied into span attributes (the ext_proc
+// processor bounds its own before it starts a span).
+const (
+	maxPathBytes   = 2048
+	maxMethodBytes = 32
+)
 
 func truncate(s string, n int) string {
 	if len(s) > n {
