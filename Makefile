@@ -63,8 +63,8 @@ unit: fixtures tools ## unit tests, golden exchanges and fuzz seed corpora, with
 	$(GO) test -race -count=1 -timeout 10m $(UNIT)
 
 .PHONY: tools
-tools: ## build etcd, llm-d-inference-sim, kube-apiserver, helm and nats-server from their tools modules (cached by content in ~/.cache/kvbandit/tools)
-	bash tools/build.sh etcd llm-d-inference-sim kube-apiserver helm nats-server
+tools: ## build etcd, llm-d-inference-sim, kube-apiserver, helm, nats-server and the OpenTelemetry Collector (otelcol) from their tools modules (cached by content in ~/.cache/kvbandit/tools)
+	bash tools/build.sh etcd llm-d-inference-sim kube-apiserver helm nats-server otelcol
 
 .PHONY: tools-gie
 tools-gie: ## build GIE's endpoint picker (epp v1.5.0) from its tools module, for the side-by-side benchmark only (not CI)

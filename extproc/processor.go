@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/openai"
+	"github.com/kvbandit/kvbandit/internal/tracing"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
@@ -154,6 +155,10 @@ type processor struct {
 	subset   *routing.Subset
 	// admitted: the request holds one of the server's MaxInflight slots.
 	admitted bool
+	// traceHdr is the request's trace context (read only when tracing is
+	// on); span is the stream's server span (zero when off).
+	traceHdr tracing.Carrier
+	span     tracing.Span
 
 	body      []byte // request body; aliases the single chunk when possible
 	owned     bool   // body is our own copy (counted against the budget)
@@ -260,6 +265,7 @@ func (p *processor) onRequestHeaders(ctx context.Context, h *extprocv3.HttpHeade
 	if len(p.path) > MaxPathBytes {
 		p.path = strings.Clone(p.path[:MaxPathBytes])
 	}
+	p.span = p.s.tracer.StartStream(&p.traceHdr, p.started, p.path, p.requestID)
 	if err != nil {
 		return nil, false, err
 	}
@@ -463,6 +469,7 @@ func (p *processor) decide(ctx context.Context) error {
 	d, err := p.s.picker.Pick(pctx, &req)
 	t3 := p.s.clk.Now()
 	m.phasePick.Observe(t3.Sub(t1).Seconds())
+	p.span.Decision(t0, t1, t3, d, err)
 	if err != nil {
 		return err
 	}
@@ -586,6 +593,8 @@ func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) error {
 			if p.model == "" && headerLen(h) <= MaxModelHeaderBytes {
 				p.model = strings.TrimSpace(headerValue(h))
 			}
+		case p.s.tracer != nil && (k == tracing.HeaderTraceparent || k == tracing.HeaderTracestate):
+			p.traceHdr.Keep(k, headerPrefix(h, tracing.MaxTracestateBytes+1))
 		case Steering(k):
 			if slices.Contains(p.spoofed, k) {
 				continue
@@ -694,6 +703,15 @@ func (p *processor) mutation() *extprocv3.HeaderMutation {
 		rank = p.decision.DPRank
 		if rank >= 0 {
 			hm.SetHeaders = append(hm.SetHeaders, setHeader(HeaderDPRank, strconv.Itoa(rank)))
+		}
+		// Tracing on: the worker's parent is the stream's span.
+		if tp, ts := p.span.TraceContext(); tp != "" {
+			hm.SetHeaders = append(hm.SetHeaders, setHeader(tracing.HeaderTraceparent, tp))
+			if ts != "" {
+				hm.SetHeaders = append(hm.SetHeaders, setHeader(tracing.HeaderTracestate, ts))
+			} else {
+				hm.RemoveHeaders = append(hm.RemoveHeaders, tracing.HeaderTracestate)
+			}
 		}
 	}
 	for _, k := range p.spoofed {
@@ -914,10 +932,11 @@ func (p *processor) abort(kind routing.OutcomeKind, reason string) {
 
 // finishRejected records a request answered with a local reply.
 func (p *processor) finishRejected(err error) {
-	status := http.StatusInternalServerError
+	status, code := http.StatusInternalServerError, "internal"
 	if r := Reject(err); r != nil {
-		status = r.Status
+		status, code = r.Status, r.Code
 	}
+	p.span.Refused(status, code)
 	p.phase = phaseDone
 	if p.decision != nil && !p.decision.Finished() {
 		p.end(routing.NoUsage(routing.OutcomeRejected))
@@ -1000,4 +1019,5 @@ func (p *processor) close() {
 	if p.decision != nil && !p.decision.Finished() {
 		p.abort(routing.OutcomeReset, "unfinished")
 	}
+	p.span.End(p.status)
 }

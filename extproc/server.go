@@ -18,6 +18,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/openai"
+	"github.com/kvbandit/kvbandit/internal/tracing"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
 )
@@ -138,6 +139,9 @@ type Deps struct {
 	// (x-gateway-inference-objective) when the request gave none; nil when
 	// objectives are not discovered (see hints.ApplyObjective).
 	Objectives hints.Priorities
+	// Tracer records each stream's spans and hands the trace context to
+	// the worker (traceparent); nil: tracing off, headers untouched.
+	Tracer *tracing.Tracer
 }
 
 // Server implements the ext_proc ExternalProcessor service.
@@ -152,6 +156,7 @@ type Server struct {
 	metrics *Metrics
 	// objectives is Deps.Objectives (nil: none).
 	objectives hints.Priorities
+	tracer     *tracing.Tracer
 
 	streams atomic.Int64
 	budget  *Budget
@@ -175,7 +180,7 @@ var _ extprocv3.ExternalProcessorServer = (*Server)(nil)
 // NewServer returns a server. deps.Picker must be set.
 func NewServer(cfg Config, deps Deps) *Server {
 	cfg.defaults()
-	s := &Server{cfg: cfg, picker: deps.Picker, tok: deps.Tokenizer, log: deps.Logger, clk: clock.Or(deps.Clock), drain: make(chan struct{}), objectives: deps.Objectives}
+	s := &Server{cfg: cfg, picker: deps.Picker, tok: deps.Tokenizer, log: deps.Logger, clk: clock.Or(deps.Clock), drain: make(chan struct{}), objectives: deps.Objectives, tracer: deps.Tracer}
 	if s.log == nil {
 		s.log = slog.Default()
 	}

@@ -122,6 +122,8 @@ type Decision struct {
 	// OverlapCPU and OverlapDisk are the chosen candidate's lower-tier
 	// blocks after Overlap (see Candidate.OverlapCPU).
 	OverlapCPU, OverlapDisk int
+	// Candidates is the number of candidates the policy chose from.
+	Candidates int
 	// Scores are the per-candidate scores, when the policy produces them.
 	Scores []Score
 	// At is when the decision was made.

@@ -873,6 +873,8 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		DPRank:   c.DPRank,
 		Overlap:  c.Overlap,
 		At:       sc.Now,
+		// How many the policy chose from (spans report it).
+		Candidates: len(sc.Candidates),
 		// The lower tiers' blocks, reported beside Overlap.
 		OverlapCPU:  c.OverlapCPU,
 		OverlapDisk: c.OverlapDisk,

@@ -15,6 +15,7 @@ declare -A pkg=(
   [helm]=helm.sh/helm/v3/cmd/helm
   [epp]=sigs.k8s.io/gateway-api-inference-extension/cmd/epp
   [nats-server]=github.com/nats-io/nats-server/v2
+  [otelcol]=github.com/kvbandit/kvbandit/tools/otelcol
 )
 for name in "$@"; do
   dir="$here/$name"

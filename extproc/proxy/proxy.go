@@ -22,6 +22,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/openai"
+	"github.com/kvbandit/kvbandit/internal/tracing"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
@@ -138,6 +139,10 @@ type Deps struct {
 	// Engine, when it is a Fleet (*routing.Engine is), else /v1/models is
 	// forwarded like any other path.
 	Fleet Fleet
+	// Tracer records each proxied request's spans and hands the trace
+	// context to the worker (traceparent); nil: tracing off, headers
+	// passed through untouched.
+	Tracer *tracing.Tracer
 }
 
 // NewTransport returns the transport the proxy uses by default: keep-alive
@@ -206,6 +211,7 @@ type Proxy struct {
 	objectives hints.Priorities
 	// modelList answers /v1/models (nil: no fleet, forwarded).
 	modelList *modelLister
+	tracer    *tracing.Tracer
 
 	inflight atomic.Int64
 	wg       sync.WaitGroup
@@ -218,7 +224,7 @@ var _ http.Handler = (*Proxy)(nil)
 // New returns a proxy. deps.Engine must be set.
 func New(cfg Config, deps Deps) *Proxy {
 	cfg.defaults()
-	p := &Proxy{cfg: cfg, engine: deps.Engine, tok: deps.Tokenizer, log: deps.Logger, clk: clock.Or(deps.Clock), rt: deps.Transport, budget: deps.Budget, objectives: deps.Objectives}
+	p := &Proxy{cfg: cfg, engine: deps.Engine, tok: deps.Tokenizer, log: deps.Logger, clk: clock.Or(deps.Clock), rt: deps.Transport, budget: deps.Budget, objectives: deps.Objectives, tracer: deps.Tracer}
 	if p.budget == nil {
 		p.budget = extproc.NewBudget(cfg.MaxBufferedBytes)
 	}
@@ -559,6 +565,8 @@ func (p *Proxy) forward(w http.ResponseWriter, r *http.Request, clean string, ki
 	// The decision deadline runs from the request headers, as on the
 	// ext_proc path: it covers the body read and the pick.
 	deadline := time.Now().Add(p.cfg.DecisionTimeout)
+	w, r, span := p.tracer.StartHTTP(w, r, clean)
+	defer span.End(0)
 	if p.stopCtx.Err() != nil {
 		p.fail(w, path, errStopped)
 		return
@@ -583,8 +591,10 @@ func (p *Proxy) forward(w http.ResponseWriter, r *http.Request, clean string, ki
 		return
 	}
 	pctx, cancelPick := context.WithDeadlineCause(ctx, deadline, extproc.ErrDecisionTimeout)
+	pickStart := p.clk.Now()
 	d, err := p.engine.Pick(pctx, &req)
 	cancelPick()
+	span.Decision(req.Arrival, pickStart, p.clk.Now(), d, err)
 	if err != nil {
 		if ctx.Err() != nil {
 			if p.stopCtx.Err() == nil {
@@ -597,7 +607,7 @@ func (p *Proxy) forward(w http.ResponseWriter, r *http.Request, clean string, ki
 		return
 	}
 	p.metrics.tokensRouted.Add(float64(req.TokenCount))
-	x := &exchange{p: p, d: d, ctx: ctx}
+	x := &exchange{p: p, d: d, ctx: ctx, span: span}
 	defer func() { p.metrics.request(path, x.reply) }()
 	defer x.recoverEnd()
 	x.run(w, r, target, body)
@@ -611,6 +621,10 @@ type exchange struct {
 	ctx context.Context
 	// reply is the status the client got (0: none, the client went away).
 	reply int
+	// span is the request's server span, up the worker call's (zero when
+	// tracing is off).
+	span tracing.Span
+	up   tracing.Upstream
 
 	status     int
 	sse        bool
@@ -657,6 +671,7 @@ func (x *exchange) run(w http.ResponseWriter, r *http.Request, target string, bo
 	if d.DPRank >= 0 {
 		up.Header.Set(extproc.HeaderDPRank, strconv.Itoa(d.DPRank))
 	}
+	x.up = x.span.StartUpstream(up, ep)
 	resp, err := p.rt.RoundTrip(up)
 	// The worker has answered or cannot be reached: the body is no longer
 	// needed (the transport replays it, through GetBody, only inside
@@ -804,6 +819,7 @@ func (x *exchange) end(kind routing.OutcomeKind) {
 		}
 	}
 	x.d.Done(o)
+	x.up.End(x.status, kind)
 	x.respBody = nil
 	x.p.metrics.req.Outcome(o)
 }

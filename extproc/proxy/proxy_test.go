@@ -23,6 +23,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/proxy"
+	"github.com/kvbandit/kvbandit/internal/tracing"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/policy"
 )
@@ -101,6 +102,7 @@ type options struct {
 	// objectives is the InferenceObjective lookup (nil: none).
 	objectives hints.Priorities
 	reg        *prometheus.Registry
+	tracer     *tracing.Tracer
 }
 
 func newFixture(t testing.TB, o options) *fixture {
@@ -141,7 +143,7 @@ func newFixture(t testing.TB, o options) *fixture {
 			t.Fatal(err)
 		}
 	}
-	deps := proxy.Deps{Engine: f.engine, Budget: o.budget, Objectives: o.objectives}
+	deps := proxy.Deps{Engine: f.engine, Budget: o.budget, Objectives: o.objectives, Tracer: o.tracer}
 	if o.reg != nil {
 		deps.Registry = o.reg
 	}

@@ -373,6 +373,12 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	if err := o.applyFlags(&fileCfg); err != nil {
 		return fmt.Errorf("%w: %w", ErrUsage, err)
 	}
+	tracer, err := newTracer(ctx, log)
+	if err != nil {
+		return err
+	}
+	// Deferred first, so it runs last: every span has ended by then.
+	defer shutdownTracer(tracer, log)
 	static, sources, objWatcher, err := discoverySources(o, &fileCfg, log)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrUsage, err)
@@ -485,7 +491,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		ResponseProcessing:  o.ResponseProcessing,
 		TenantHeader:        o.TenantHeader,
 		TokenizerTimeout:    secs(fileCfg.Tokenizer.TimeoutSecs),
-	}, extproc.Deps{Picker: engine, Tokenizer: tok, Logger: log, Registry: reg, Budget: budget, Objectives: prios})
+	}, extproc.Deps{Picker: engine, Tokenizer: tok, Logger: log, Registry: reg, Budget: budget, Objectives: prios, Tracer: tracer})
 	var px *proxy.Proxy
 	if ls.HTTP != nil || o.HTTPAddr != "" {
 		px = proxy.New(proxy.Config{
@@ -494,7 +500,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 			DecisionTimeout:  o.DecisionTimeout,
 			TenantHeader:     o.TenantHeader,
 			TokenizerTimeout: secs(fileCfg.Tokenizer.TimeoutSecs),
-		}, proxy.Deps{Engine: engine, Tokenizer: tok, Logger: log, Registry: reg, Clock: engine.Clock(), Budget: budget, Objectives: prios})
+		}, proxy.Deps{Engine: engine, Tokenizer: tok, Logger: log, Registry: reg, Clock: engine.Clock(), Budget: budget, Objectives: prios, Tracer: tracer})
 		defer px.CloseIdleConnections()
 	}
 

@@ -1,6 +1,7 @@
 package app
 
 import (
+	"context"
 	crand "crypto/rand"
 	"fmt"
 	"log/slog"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvbandit/kvbandit/internal/tracing"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/decisionlog"
@@ -330,5 +332,35 @@ func (c thompsonCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(thPrefixDesc, prometheus.GaugeValue, float64(st.PrefixEntries))
 	for _, e := range st.Endpoints {
 		ch <- prometheus.MustNewConstMetric(thMeanDesc, prometheus.GaugeValue, e.Mean, string(e.Endpoint))
+	}
+}
+
+// traceFlushTimeout bounds the flush of the last spans when serve exits.
+const traceFlushTimeout = 5 * time.Second
+
+// newTracer builds the tracer from the OTEL_* environment (docs/tracing.md):
+// nil when tracing is off; a bad value is a usage error.
+func newTracer(ctx context.Context, log *slog.Logger) (*tracing.Tracer, error) {
+	c, err := tracing.FromEnv(os.Getenv)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	t, err := tracing.New(ctx, c, Version())
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	if t != nil {
+		log.Info("tracing on", "protocol", c.Protocol, "endpoint", c.Endpoint, "sampler", c.Sampler, "ratio", c.Ratio, "service", c.ServiceName)
+	}
+	return t, nil
+}
+
+// shutdownTracer flushes the spans not yet exported, within
+// traceFlushTimeout.
+func shutdownTracer(t *tracing.Tracer, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), traceFlushTimeout)
+	defer cancel()
+	if err := t.Shutdown(ctx); err != nil {
+		log.Warn("tracing: spans not flushed", "err", err)
 	}
 }
