@@ -6,8 +6,8 @@
 # copies the host's CA bundle (for TLS to etcd, NATS or the API server
 # without a CA file) to bin/image/, then runs
 #   buildah build --platform linux/ARCH --build-arg VERSION=… --build-arg COMMIT=… --build-arg DATE=… -f Dockerfile .
-# podman build and docker build read this file the same way once bin/image
-# is there. See README.md, "Container image".
+# podman build reads this file the same way once bin/image is there. See
+# README.md, "Container image".
 FROM scratch
 
 ARG TARGETOS=linux

@@ -41,7 +41,7 @@ build: ## build bin/kvbandit, stamped with VERSION, COMMIT and DATE
 
 .PHONY: image
 image: ## build the container image IMAGE:IMAGE_TAG with buildah, offline: a static binary and the CA bundle on scratch, user 65532
-	CGO_ENABLED=0 GOOS=linux GOARCH=$(IMAGE_ARCH) $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/image/linux-$(IMAGE_ARCH)/kvbandit ./cmd/kvbandit
+	CGO_ENABLED=0 GOOS=linux GOARCH=$(IMAGE_ARCH) $(GO) build -trimpath -ldflags '-s -w $(LDFLAGS)' -o bin/image/linux-$(IMAGE_ARCH)/kvbandit ./cmd/kvbandit
 	install -m 0644 $(CA_BUNDLE) bin/image/ca-certificates.crt
 	$(BUILDAH) $(BUILDAH_FLAGS) build --platform linux/$(IMAGE_ARCH) \
 	  --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) --build-arg DATE=$(DATE) \
