@@ -12,6 +12,23 @@ FUZZTIME ?= 20s
 FIXTURES ?= $(or $(KVBANDIT_FIXTURES),$(HOME)/.cache/kvbandit/fixtures)
 export KVBANDIT_FIXTURES := $(FIXTURES)
 
+# Version stamping (internal/buildinfo): make build and make image link these
+# into the binary; a release overrides them (make image VERSION=v0.1.0).
+VERSION := $(shell git describe --tags --always --dirty 2>/dev/null || echo unknown)
+COMMIT  := $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+DATE    := $(shell date -u +%Y-%m-%dT%H:%M:%SZ)
+BUILDINFO := github.com/kvbandit/kvbandit/internal/buildinfo
+LDFLAGS := -X $(BUILDINFO).version=$(VERSION) -X $(BUILDINFO).commit=$(COMMIT) -X $(BUILDINFO).date=$(DATE)
+# The container image (make image; README "Container image"). Its tag is the
+# version without the leading v, as the chart's appVersion is spelt.
+IMAGE      ?= ghcr.io/kvbandit/kvbandit
+IMAGE_TAG  ?= $(patsubst v%,%,$(VERSION))
+IMAGE_ARCH ?= $(shell $(GO) env GOARCH)
+BUILDAH    ?= buildah
+# Global buildah flags, e.g. a private store: --root DIR --runroot DIR --storage-driver vfs
+BUILDAH_FLAGS ?=
+CA_BUNDLE  ?= /etc/ssl/certs/ca-certificates.crt
+
 .DEFAULT_GOAL := help
 
 .PHONY: help
@@ -19,12 +36,20 @@ help: ## list targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  \033[1m%-13s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 .PHONY: build
-build: ## build bin/kvbandit (run it as ./bin/kvbandit, or see make install)
-	$(GO) build -o $(BIN) ./cmd/kvbandit
+build: ## build bin/kvbandit, stamped with VERSION, COMMIT and DATE (run it as ./bin/kvbandit, or see make install)
+	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/kvbandit
+
+.PHONY: image
+image: ## build the container image IMAGE:IMAGE_TAG with buildah, offline: a static binary and the CA bundle on scratch, user 65532
+	CGO_ENABLED=0 GOOS=linux GOARCH=$(IMAGE_ARCH) $(GO) build -trimpath -ldflags '-s -w $(LDFLAGS)' -o bin/image/linux-$(IMAGE_ARCH)/kvbandit ./cmd/kvbandit
+	install -m 0644 $(CA_BUNDLE) bin/image/ca-certificates.crt
+	$(BUILDAH) $(BUILDAH_FLAGS) build --platform linux/$(IMAGE_ARCH) \
+	  --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) --build-arg DATE=$(DATE) \
+	  -t $(IMAGE):$(IMAGE_TAG) -f Dockerfile .
 
 .PHONY: install
-install: ## go install ./cmd/kvbandit: kvbandit lands in $GOBIN, or $GOPATH/bin (add that directory to PATH)
-	$(GO) install ./cmd/kvbandit
+install: ## go install ./cmd/kvbandit (stamped like build): kvbandit lands in $GOBIN, or $GOPATH/bin (add that directory to PATH)
+	$(GO) install -ldflags '$(LDFLAGS)' ./cmd/kvbandit
 	@dir=$$($(GO) env GOBIN); dir=$${dir:-$$($(GO) env GOPATH)/bin}; echo "installed $$dir/kvbandit"; \
 	case ":$$PATH:" in *":$$dir:"*) ;; *) echo "$$dir is not on your PATH: export PATH=\"$$dir:\$$PATH\"";; esac
 

@@ -81,6 +81,7 @@ func TestManifestsAndChart(t *testing.T) {
 		}
 		checkPicker(t, all, "vllm-qwen3", "kvbandit", false)
 		checkServeArgs(t, "manifests/kvbandit.yaml", containerArgs(t, find(all, "Deployment", "kvbandit")))
+		checkImage(t, find(all, "Deployment", "kvbandit"), "ghcr.io/kvbandit/kvbandit:"+appVersion(t))
 		checkExamples(t, all)
 	})
 
@@ -107,6 +108,7 @@ func TestManifestsAndChart(t *testing.T) {
 			if find(objs, "HTTPRoute", "") != nil {
 				t.Error("default render has an HTTPRoute (httpRoute.enabled is false)")
 			}
+			checkImage(t, find(objs, "Deployment", ""), "ghcr.io/kvbandit/kvbandit:"+appVersion(t))
 		}},
 		{name: "replicas=2 tls", leader: true,
 			set: []string{"replicas=2", "tls.secretName=kvb-tls", "tls.clientCASecretName=kvb-ca", "httpRoute.enabled=true",
@@ -225,6 +227,11 @@ func TestManifestsAndChart(t *testing.T) {
 			tc.check(t, args, objs)
 		})
 	}
+
+	t.Run("helm template image", func(t *testing.T) {
+		objs := decode(t, "helm template", template(t, helm, "image.repository=registry.example/kvbandit", "image.tag=0.2.0-rc.1"))
+		checkImage(t, find(objs, "Deployment", ""), "registry.example/kvbandit:0.2.0-rc.1")
+	})
 
 	t.Run("rendered RBAC and args run serve", func(t *testing.T) {
 		objs := decode(t, "helm template", template(t, helm, "replicas=2", "pool.selector.app=sim"))
@@ -412,6 +419,41 @@ func containerArgs(t *testing.T, d *object) []string {
 		args[i], _ = a.(string)
 	}
 	return args
+}
+
+// appVersion is the chart's appVersion: the release image's tag.
+func appVersion(t *testing.T) string {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(chartDir, "Chart.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var chart struct {
+		AppVersion string `json:"appVersion"`
+	}
+	if err := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(raw), 4096).Decode(&chart); err != nil || chart.AppVersion == "" {
+		t.Fatalf("Chart.yaml appVersion: %q %v", chart.AppVersion, err)
+	}
+	return chart.AppVersion
+}
+
+// checkImage checks the Deployment's image, and that its Pod runs as
+// 65532, the image's user.
+func checkImage(t *testing.T, d *object, want string) {
+	t.Helper()
+	if d == nil {
+		t.Fatal("no Deployment")
+	}
+	cs, _ := d.get("spec", "template", "spec", "containers").([]any)
+	if len(cs) != 1 {
+		t.Fatalf("%s: want 1 container, got %d", d.src, len(cs))
+	}
+	if got := cs[0].(map[string]any)["image"]; got != want {
+		t.Errorf("%s: image %v, want %s", d.src, got, want)
+	}
+	if u := fmt.Sprint(d.get("spec", "template", "spec", "securityContext", "runAsUser")); u != "65532" {
+		t.Errorf("%s: runAsUser %s, want 65532 (the image's user)", d.src, u)
+	}
 }
 
 func hasFlag(args []string, name string) bool {

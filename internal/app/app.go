@@ -10,9 +10,11 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"runtime/debug"
+	"runtime"
 	"sort"
 	"strings"
+
+	"github.com/kvbandit/kvbandit/internal/buildinfo"
 )
 
 // ErrUsage marks command-line mistakes (exit code 2).
@@ -49,7 +51,7 @@ func commands() map[string]command {
 		"envoy-config": {"print a validated Envoy bootstrap for a list of workers", func(ctx context.Context, a []string, s stdio) error { return runEnvoyConfig(ctx, a, s.out, s.err) }},
 		"register":     {"keep a worker's endpoint record in etcd while it is healthy (deleted on exit)", func(ctx context.Context, a []string, s stdio) error { return runRegister(ctx, a, s.out, s.err) }},
 		"tokenize":     {"print the token ids of stdin (text, or an OpenAI chat request with --chat)", func(ctx context.Context, a []string, s stdio) error { return runTokenize(ctx, a, s.in, s.out, s.err) }},
-		"version":      {"print the version", func(ctx context.Context, a []string, s stdio) error { return runVersion(ctx, a, s.out, s.err) }},
+		"version":      {"print the version, commit and build date", func(ctx context.Context, a []string, s stdio) error { return runVersion(ctx, a, s.out, s.err) }},
 	}
 }
 
@@ -67,6 +69,9 @@ func RunIO(ctx context.Context, args []string, stdin io.Reader, stdout, stderr i
 			return fmt.Errorf("%w: no command", ErrUsage)
 		}
 		return nil
+	}
+	if args[0] == "--version" || args[0] == "-version" {
+		return runVersion(ctx, args[1:], stdout, stderr)
 	}
 	c, ok := cmds[args[0]]
 	if !ok {
@@ -87,7 +92,7 @@ func usage(w io.Writer, cmds map[string]command) {
 	}
 	sort.Strings(names)
 	var b strings.Builder
-	b.WriteString("kvbandit: the KV-cache-aware inference router for Envoy (ext_proc endpoint picker)\n\nUsage: kvbandit <command> [flags]\n\nCommands:\n")
+	b.WriteString("kvbandit: the KV-cache-aware inference router for Envoy (ext_proc endpoint picker)\n\nUsage: kvbandit <command> [flags]\n       kvbandit --version\n\nCommands:\n")
 	for _, n := range names {
 		fmt.Fprintf(&b, "  %-13s %s\n", n, cmds[n].summary)
 	}
@@ -95,20 +100,19 @@ func usage(w io.Writer, cmds map[string]command) {
 	io.WriteString(w, b.String())
 }
 
-// Version returns the module version recorded in the binary.
-func Version() string {
-	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
-		return bi.Main.Version
-	}
-	return "(devel)"
-}
-
 func runVersion(_ context.Context, args []string, stdout, _ io.Writer) error {
 	if len(args) > 0 {
 		return fmt.Errorf("%w: version takes no arguments", ErrUsage)
 	}
-	fmt.Fprintln(stdout, "kvbandit", Version())
+	printVersion(stdout, buildinfo.Read())
 	return nil
+}
+
+// printVersion writes what `kvbandit version` and `kvbandit --version`
+// print: "kvbandit VERSION" on the first line, then the commit, the build
+// date and the toolchain.
+func printVersion(w io.Writer, bi buildinfo.Info) {
+	fmt.Fprintf(w, "kvbandit %s\ncommit: %s\nbuilt:  %s\ngo:     %s %s/%s\n", bi.Version, bi.Commit, bi.Date, bi.GoVersion, runtime.GOOS, runtime.GOARCH)
 }
 
 // parseFlags parses a subcommand's flags: -h/--help passes flag.ErrHelp

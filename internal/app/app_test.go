@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -12,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -24,6 +26,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/kvbandit/kvbandit/envoy"
+	"github.com/kvbandit/kvbandit/internal/buildinfo"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/tokenizer/tokenizertest"
 )
@@ -47,9 +50,21 @@ func run(t *testing.T, args ...string) (string, string, error) {
 }
 
 func TestVersionAndUsage(t *testing.T) {
-	out, _, err := run(t, "version")
-	if err != nil || !strings.HasPrefix(out, "kvbandit ") {
-		t.Fatalf("version: %q %v", out, err)
+	// version and --version print the version, commit, build date and
+	// toolchain (this test binary has no link-time values: Go's build info
+	// or "unknown" fill them).
+	bi := buildinfo.Read()
+	want := fmt.Sprintf("kvbandit %s\ncommit: %s\nbuilt:  %s\ngo:     %s %s/%s\n", bi.Version, bi.Commit, bi.Date, bi.GoVersion, runtime.GOOS, runtime.GOARCH)
+	for _, args := range [][]string{{"version"}, {"--version"}, {"-version"}} {
+		out, _, err := run(t, args...)
+		if err != nil || out != want {
+			t.Fatalf("%v: %q %v, want %q", args, out, err, want)
+		}
+	}
+	for _, args := range [][]string{{"version", "x"}, {"--version", "x"}} {
+		if _, _, err := run(t, args...); ExitCode(err) != 2 {
+			t.Fatalf("%v: exit %d (%v), want 2", args, ExitCode(err), err)
+		}
 	}
 	if _, _, err := run(t); ExitCode(err) != 2 {
 		t.Fatalf("no command: exit %d", ExitCode(err))
@@ -154,12 +169,29 @@ func TestServeLifecycle(t *testing.T) {
 	defer cancel()
 	o := ServeOptions{Endpoints: "127.0.0.1:8001,127.0.0.1:8002", Policy: "round_robin", MaxBodyBytes: 1 << 20, MaxInflight: 8, DecisionTimeout: time.Second, DrainTimeout: 100 * time.Millisecond, StopGrace: 100 * time.Millisecond, ResponseProcessing: true, LogLevel: "info", LogFormat: "text", MetricsAddr: "x"}
 	done := make(chan error, 1)
-	go func() { done <- Serve(ctx, o, slog.New(slog.NewTextHandler(io.Discard, nil)), ls) }()
+	logs := &syncBuffer{}
+	go func() { done <- Serve(ctx, o, slog.New(slog.NewJSONHandler(logs, nil)), ls) }()
 	var addrs [3]string
 	select {
 	case addrs = <-ready:
 	case err := <-done:
 		t.Fatalf("serve exited: %v", err)
+	}
+	// The start-up line says which build is serving.
+	bi := buildinfo.Read()
+	var started bool
+	for line := range strings.Lines(logs.String()) {
+		var rec map[string]any
+		if json.Unmarshal([]byte(line), &rec) != nil || rec["msg"] != "kvbandit serving" {
+			continue
+		}
+		started = true
+		if rec["version"] != bi.Version || rec["commit"] != bi.Commit || rec["built"] != bi.Date {
+			t.Fatalf("start-up line %s lacks the build %+v", line, bi)
+		}
+	}
+	if !started {
+		t.Fatalf("no start-up line in:\n%s", logs)
 	}
 	conn, err := grpc.NewClient(addrs[1], grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
@@ -181,6 +213,10 @@ func TestServeLifecycle(t *testing.T) {
 	resp.Body.Close()
 	if !strings.Contains(string(body), `kvbandit_endpoint_inflight{endpoint="127.0.0.1:8001"} 0`) {
 		t.Fatalf("metrics lack the endpoint gauge:\n%s", body)
+	}
+	buildInfo := fmt.Sprintf(`kvbandit_build_info{commit=%q,date=%q,goversion=%q,version=%q} 1`, bi.Commit, bi.Date, bi.GoVersion, bi.Version)
+	if !strings.Contains(string(body), buildInfo) {
+		t.Fatalf("metrics lack %s:\n%s", buildInfo, body)
 	}
 	// The profiler is off unless --pprof asks for it (it exposes heap
 	// contents).

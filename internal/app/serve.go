@@ -26,6 +26,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/proxy"
+	"github.com/kvbandit/kvbandit/internal/buildinfo"
 	"github.com/kvbandit/kvbandit/internal/tlsconfig"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
@@ -387,8 +388,9 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 		log.Debug("KV events off: every endpoint uses the approximate index")
 	}
 
+	build := buildinfo.Read()
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), build.Collector())
 	if err := withDNS(o, &fileCfg, log, reg, sources); err != nil {
 		return err
 	}
@@ -671,7 +673,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	if ml != nil {
 		maddr = ml.Addr().String()
 	}
-	log.Info("kvbandit serving", "version", Version(), "grpc", gl.Addr().String(), "health", hl.Addr().String(), "metrics", maddr, "http", paddr, "policy", pol.Name(), "endpoints", len(engine.Endpoints()))
+	log.Info("kvbandit serving", "version", build.Version, "commit", build.Commit, "built", build.Date, "grpc", gl.Addr().String(), "health", hl.Addr().String(), "metrics", maddr, "http", paddr, "policy", pol.Name(), "endpoints", len(engine.Endpoints()))
 	if ls.Ready != nil {
 		ls.Ready(gl.Addr().String(), hl.Addr().String(), maddr)
 	}

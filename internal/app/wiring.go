@@ -4,6 +4,7 @@ import (
 	"context"
 	crand "crypto/rand"
 	"fmt"
+	"github.com/kvbandit/kvbandit/internal/buildinfo"
 	"log/slog"
 	"os"
 	"strconv"
@@ -345,7 +346,7 @@ func newTracer(ctx context.Context, log *slog.Logger) (*tracing.Tracer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrUsage, err)
 	}
-	t, err := tracing.New(ctx, c, Version())
+	t, err := tracing.New(ctx, c, buildinfo.Read().Version)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrUsage, err)
 	}
