@@ -35,6 +35,10 @@ CA_BUNDLE  ?= /etc/ssl/certs/ca-certificates.crt
 help: ## list targets
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  \033[1m%-13s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
+.PHONY: debs
+debs: ## install the Debian packages the test suites need, only those missing (root + apt-get; else it names them)
+	bash tools/debs.sh
+
 .PHONY: build
 build: ## build bin/kvbandit, stamped with VERSION, COMMIT and DATE (run it as ./bin/kvbandit, or see make install)
 	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/kvbandit
@@ -69,7 +73,7 @@ demo: build ## one command, no external services: 4 simulated workers, serve + p
 # make test fuzzes every target for TEST_FUZZTIME (make fuzz: FUZZTIME).
 TEST_FUZZTIME ?= 10s
 test: FUZZTIME = $(TEST_FUZZTIME)
-test: vet unit e2e bench-smoke fuzz ## every suite: vet, unit (race), e2e (race), each benchmark once, every fuzz target for TEST_FUZZTIME (10s)
+test: debs vet unit e2e bench-smoke fuzz ## the Debian packages the suites need (tools/debs.sh), then every suite: vet, unit (race), e2e (race), each benchmark once, every fuzz target for TEST_FUZZTIME (10s)
 
 .PHONY: vet
 vet: ## go vet (also the hftokenizers build of the native tokenizer backend)
