@@ -41,7 +41,16 @@ func startSim(t *testing.T, addr, zmq string, extra ...string) *sim {
 		"--time-to-first-token", "10ms", "--inter-token-latency", "2ms", "--max-num-seqs", "8",
 		"--enable-kvcache", "--kv-cache-size", "1024", "--block-size", "16", "--event-batch-size", "1",
 		"--zmq-endpoint", zmq}, extra...)
-	s := &sim{addr: addr, zmq: zmq, out: &syncBuffer{}, exited: make(chan struct{})}
+	s := runSim(t, addr, args)
+	s.zmq = zmq
+	return s
+}
+
+// runSim runs an llm-d-inference-sim with args (which must include --port
+// for addr) and waits for its /health.
+func runSim(t *testing.T, addr string, args []string) *sim {
+	t.Helper()
+	s := &sim{addr: addr, out: &syncBuffer{}, exited: make(chan struct{})}
 	s.cmd = exec.Command(simBin, args...)
 	s.cmd.Env = append(os.Environ(), "POD_IP=127.0.0.1")
 	s.cmd.Stdout, s.cmd.Stderr = s.out, s.out
