@@ -273,42 +273,30 @@ func TestPDShortAndCachedPromptsStayAggregated(t *testing.T) {
 	k.waitIdle(t, append(f.prefillAddrs(), f.sidecarAddrs()...))
 }
 
-// TestPDSpoofedPrefillerHeader: a client's x-prefiller-host-port never
-// reaches a sidecar. It names a trap sim outside kvbandit's endpoint set:
-// if a sidecar saw it, the sidecar would send the trap a prefill request.
-// Checked with kvbandit's P/D routing (short prompt: the header removed;
-// long prompt: replaced by kvbandit's own choice) and without roles.
-func TestPDSpoofedPrefillerHeader(t *testing.T) {
+// TestPDSpoofedPrefillerHeaderWithRoles: with kvbandit's P/D routing, a
+// client's x-prefiller-host-port never reaches a sidecar (see
+// TestPDSpoofedPrefillerHeader for the trap): removed when the request
+// stays aggregated (short prompt), replaced by kvbandit's own choice when
+// it is disaggregated (long prompt).
+func TestPDSpoofedPrefillerHeaderWithRoles(t *testing.T) {
 	f := startPDFleet(t, 1, 2)
 	trap := startPDSim(t)
 	spoof := map[string]string{headerPrefiller: trap.addr}
 	c := httpClient(t)
+	k, px := startPDKvbandit(t, f)
 
-	t.Run("roles", func(t *testing.T) {
-		k, px := startPDKvbandit(t, f)
-		x := pdSend(t, c, px, ids(5, pdThreshold/2), spoof)
-		if v, set, removed := setHeader(x, headerPrefiller); set || !removed {
-			t.Errorf("short prompt with a spoofed header: set %v (%q), removed %v; want removed", set, v, removed)
-		}
-		x = pdSend(t, c, px, ids(6, 4*pdThreshold), spoof)
-		if v, set, _ := setHeader(x, headerPrefiller); !set || v != f.prefill[0].addr {
-			t.Errorf("long prompt with a spoofed header: %s %q (set %v), want kvbandit's %s", headerPrefiller, v, set, f.prefill[0].addr)
-		}
-		f.prefill[0].waitCounts(t, simCounts{requests: 1, remoteDecode: 1, maxTokensSum: 1, ttft: 1, ttftFast: 1})
-		k.waitIdle(t, append(f.prefillAddrs(), f.sidecarAddrs()...))
-	})
-	t.Run("no roles", func(t *testing.T) {
-		k := startKvbandit(t, f.sidecarAddrs(), "--scrape-interval", "200ms")
-		k.waitScraped(t, k.endpoints)
-		px := startProxy(t, k, envoysim.Config{})
-		x := pdSend(t, c, px, ids(7, 4*pdThreshold), spoof)
-		if v, set, removed := setHeader(x, headerPrefiller); set || !removed {
-			t.Errorf("no prefill endpoints, spoofed header: set %v (%q), removed %v; want removed", set, v, removed)
-		}
-		k.waitIdle(t, f.sidecarAddrs())
-	})
-	time.Sleep(200 * time.Millisecond) // a prefill to the trap would have landed by now
+	x := pdSend(t, c, px, ids(5, pdThreshold/2), spoof)
+	if v, set, removed := setHeader(x, headerPrefiller); set || !removed {
+		t.Errorf("short prompt with a spoofed header: set %v (%q), removed %v; want removed", set, v, removed)
+	}
+	x = pdSend(t, c, px, ids(6, 4*pdThreshold), spoof)
+	if v, set, _ := setHeader(x, headerPrefiller); !set || v != f.prefill[0].addr {
+		t.Errorf("long prompt with a spoofed header: %s %q (set %v), want kvbandit's %s", headerPrefiller, v, set, f.prefill[0].addr)
+	}
+	f.prefill[0].waitCounts(t, simCounts{requests: 1, remoteDecode: 1, maxTokensSum: 1, ttft: 1, ttftFast: 1})
+	time.Sleep(200 * time.Millisecond) // a prefill sent to the trap would have landed by now
 	trap.waitCounts(t, simCounts{})
+	k.waitIdle(t, append(f.prefillAddrs(), f.sidecarAddrs()...))
 }
 
 // TestPDPrefillDeathFallsBack: when the only prefill sim dies, kvbandit

@@ -413,3 +413,38 @@ func TestPDSidecarEndpointsAggregated(t *testing.T) {
 	f.prefill[0].waitCounts(t, simCounts{})
 	k.waitReleased(t)
 }
+
+// TestPDSpoofedPrefillerHeader: a client's x-prefiller-host-port never
+// reaches a sidecar through kvbandit (here without endpoint roles; see
+// TestPDSpoofedPrefillerHeaderWithRoles for the P/D pool). The header
+// names a trap sim outside kvbandit's endpoint set: a sidecar that saw it
+// would send the trap a prefill request (TestPDSidecarProtocol).
+func TestPDSpoofedPrefillerHeader(t *testing.T) {
+	f := startPDFleet(t, 0, 2)
+	trap := startPDSim(t)
+	k := startKvbandit(t, f.sidecarAddrs(), "--scrape-interval", "200ms")
+	k.waitScraped(t, k.endpoints)
+	px := startProxy(t, k, envoysim.Config{})
+	c := httpClient(t)
+	for i := range 4 {
+		checkStream(t, send(t, c, "POST", px.URL()+"/v1/completions", completion(ids(uint32(20+i), 256), 3),
+			map[string]string{headerPrefiller: trap.addr}))
+	}
+	xs, err := px.WaitExchanges(t.Context(), 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, x := range xs {
+		if v, set, removed := setHeader(x, headerPrefiller); set || !removed {
+			t.Errorf("exchange %d: %s set %v (%q), removed %v; want removed", x.ID, headerPrefiller, set, v, removed)
+		}
+	}
+	time.Sleep(200 * time.Millisecond) // a prefill sent to the trap would have landed by now
+	trap.waitCounts(t, simCounts{})
+	for _, s := range f.sidecars {
+		if st := s.stages(t); len(st) != 0 {
+			t.Errorf("sidecar %s ran the P/D protocol: %+v", s.addr, st)
+		}
+	}
+	k.waitReleased(t)
+}
