@@ -57,14 +57,6 @@ func startPDKvbandit(t *testing.T, f *pdFleet, extra ...string) (*kvb, *envoysim
 	return k, startProxy(t, k, envoysim.Config{})
 }
 
-func (f *pdFleet) prefillAddrs() []string {
-	var out []string
-	for _, s := range f.prefill {
-		out = append(out, s.addr)
-	}
-	return out
-}
-
 // prefillAt returns the fleet's prefill sim at addr.
 func (f *pdFleet) prefillAt(t *testing.T, addr string) *sim {
 	t.Helper()

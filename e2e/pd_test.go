@@ -14,11 +14,8 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"os"
-	"os/exec"
 	"slices"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -57,9 +54,7 @@ type sidecar struct {
 	addr   string // 127.0.0.1:port (it listens on every interface: the suite's namespace)
 	decode *sim   // the decode sim behind it (--vllm-port)
 	tls    bool   // serves HTTPS with its self-signed certificate
-	cmd    *exec.Cmd
-	out    *syncBuffer
-	exited chan struct{}
+	proc
 }
 
 // startSidecar runs a pd-sidecar in front of decode with the NIXL v2
@@ -72,45 +67,9 @@ func startSidecar(t *testing.T, decode *sim, useTLS bool) *sidecar {
 	addr := freeAddr(t)
 	_, port, _ := net.SplitHostPort(addr)
 	_, vllmPort, _ := net.SplitHostPort(decode.addr)
-	s := &sidecar{addr: addr, decode: decode, tls: useTLS, out: &syncBuffer{}, exited: make(chan struct{})}
-	s.cmd = exec.Command(sidecarBin, "--port", port, "--vllm-port", vllmPort, "--connector", "nixlv2",
-		fmt.Sprintf("--secure-proxy=%v", useTLS), "--zap-log-level=5")
-	s.cmd.Env = append(os.Environ(), "POD_IP=127.0.0.1")
-	s.cmd.Stdout, s.cmd.Stderr = s.out, s.out
-	if err := s.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = s.cmd.Wait(); close(s.exited) }()
-	t.Cleanup(func() {
-		_ = s.cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-s.exited:
-		case <-time.After(5 * time.Second):
-			_ = s.cmd.Process.Kill()
-			<-s.exited
-		}
-		if t.Failed() {
-			t.Logf("pd-sidecar %s output:\n%s", addr, s.out)
-		}
-	})
-	c := s.client(t)
-	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-	defer cancel()
-	if err := poll(ctx, func() (bool, string) {
-		select {
-		case <-s.exited:
-			return false, "exited"
-		default:
-		}
-		resp, err := c.Get(s.url() + "/health")
-		if err != nil {
-			return false, err.Error()
-		}
-		resp.Body.Close()
-		return resp.StatusCode == 200, resp.Status
-	}); err != nil {
-		t.Fatalf("pd-sidecar %s not healthy: %v\n%s", addr, err, s.out)
-	}
+	s := &sidecar{addr: addr, decode: decode, tls: useTLS}
+	s.proc = startProc(t, "pd-sidecar "+addr, sidecarBin, []string{"--port", port, "--vllm-port", vllmPort,
+		"--connector", "nixlv2", fmt.Sprintf("--secure-proxy=%v", useTLS), "--zap-log-level=5"}, s.client(t), s.url()+"/health")
 	return s
 }
 
@@ -192,6 +151,14 @@ func startPDFleet(t *testing.T, nPrefill, nDecode int) *pdFleet {
 func (f *pdFleet) sidecarAddrs() []string {
 	var out []string
 	for _, s := range f.sidecars {
+		out = append(out, s.addr)
+	}
+	return out
+}
+
+func (f *pdFleet) prefillAddrs() []string {
+	var out []string
+	for _, s := range f.prefill {
 		out = append(out, s.addr)
 	}
 	return out
