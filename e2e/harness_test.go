@@ -37,6 +37,7 @@ var (
 	kvbanditBin string // the race-enabled kvbandit
 	etcdBin     string // etcd v3.7.3 (tools/etcd)
 	simBin      string // llm-d-inference-sim v0.10.2 (tools/llm-d-inference-sim)
+	sidecarBin  string // llm-d's pd-sidecar v0.4.0 (tools/pd-sidecar)
 )
 
 // extraSetup runs outside the network namespace, after the standard
@@ -49,6 +50,7 @@ const (
 	envKvbandit = "KVBANDIT_E2E_BIN"
 	envEtcd     = "KVBANDIT_E2E_ETCD"
 	envSim      = "KVBANDIT_E2E_SIM"
+	envSidecar  = "KVBANDIT_E2E_PD_SIDECAR"
 )
 
 // TestMain builds kvbandit and the third-party tools, then re-executes the
@@ -59,7 +61,7 @@ func TestMain(m *testing.M) {
 	if os.Getenv(envInNetns) == "" {
 		os.Exit(outside())
 	}
-	kvbanditBin, etcdBin, simBin = os.Getenv(envKvbandit), os.Getenv(envEtcd), os.Getenv(envSim)
+	kvbanditBin, etcdBin, simBin, sidecarBin = os.Getenv(envKvbandit), os.Getenv(envEtcd), os.Getenv(envSim), os.Getenv(envSidecar)
 	goleak.VerifyTestMain(m,
 		// go-zeromq v0.17.0's PUB writer (the simulated workers' KV events)
 		// can outlive Close: an upstream bug, see routing/kvevents.
@@ -88,11 +90,11 @@ func outside() int {
 		fmt.Fprintln(os.Stderr, "e2e: building kvbandit:", err)
 		return 1
 	}
-	tools := exec.Command("bash", filepath.Join(root, "tools", "build.sh"), "etcd", "llm-d-inference-sim", "kube-apiserver", "nats-server")
+	tools := exec.Command("bash", filepath.Join(root, "tools", "build.sh"), "etcd", "llm-d-inference-sim", "kube-apiserver", "nats-server", "pd-sidecar")
 	tools.Stderr = os.Stderr
 	out, err := tools.Output()
 	paths := strings.Fields(string(out))
-	if err != nil || len(paths) != 4 {
+	if err != nil || len(paths) != 5 {
 		fmt.Fprintln(os.Stderr, "e2e: building the tools (tools/build.sh):", err)
 		return 1
 	}
@@ -105,7 +107,7 @@ func outside() int {
 	// read KVBANDIT_<TOOL>, kubetest also KVBANDIT_GIE_CRDS: nothing is
 	// downloaded inside the namespace.
 	env := []string{envInNetns + "=1", envKvbandit + "=" + bin, envEtcd + "=" + paths[0], envSim + "=" + paths[1],
-		"KVBANDIT_ETCD=" + paths[0], "KVBANDIT_KUBE_APISERVER=" + paths[2], "KVBANDIT_NATS_SERVER=" + paths[3], "KVBANDIT_GIE_CRDS=" + crds}
+		"KVBANDIT_ETCD=" + paths[0], "KVBANDIT_KUBE_APISERVER=" + paths[2], "KVBANDIT_NATS_SERVER=" + paths[3], "KVBANDIT_GIE_CRDS=" + crds, envSidecar + "=" + paths[4]}
 	for _, setup := range extraSetup {
 		more, err := setup(root, dir)
 		if err != nil {
@@ -349,7 +351,12 @@ type sample struct {
 }
 
 func (k *kvb) scrape(ctx context.Context) ([]sample, error) {
-	req, err := http.NewRequestWithContext(ctx, "GET", "http://"+k.metricsAddr+"/metrics", nil)
+	return scrapeURL(ctx, "http://"+k.metricsAddr+"/metrics")
+}
+
+// scrapeURL reads a Prometheus text exposition (kvbandit's, a sim's).
+func scrapeURL(ctx context.Context, url string) ([]sample, error) {
+	req, err := http.NewRequestWithContext(ctx, "GET", url, nil)
 	if err != nil {
 		return nil, err
 	}

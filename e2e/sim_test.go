@@ -24,11 +24,61 @@ const simModel = "fake/tiny-model"
 
 // sim is one llm-d-inference-sim process.
 type sim struct {
-	addr   string // 127.0.0.1:port (it binds every interface of the namespace)
-	zmq    string // the kvbandit SUB socket it dials
+	addr string // 127.0.0.1:port (it binds every interface of the namespace)
+	zmq  string // the kvbandit SUB socket it dials
+	proc
+}
+
+// proc is a third-party server process of the suite (a sim, a sidecar).
+type proc struct {
 	cmd    *exec.Cmd
 	out    *syncBuffer
 	exited chan struct{}
+}
+
+// startProc runs bin with args and POD_IP=127.0.0.1 (the sims and llm-d's
+// sidecar read it), stops it at the end of the test (SIGTERM, SIGKILL
+// after 5 s) and logs its output if the test failed, and waits until c
+// gets 200 from healthURL.
+func startProc(t *testing.T, name, bin string, args []string, c *http.Client, healthURL string) proc {
+	t.Helper()
+	p := proc{cmd: exec.Command(bin, args...), out: &syncBuffer{}, exited: make(chan struct{})}
+	p.cmd.Env = append(os.Environ(), "POD_IP=127.0.0.1")
+	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = p.cmd.Wait(); close(p.exited) }()
+	t.Cleanup(func() {
+		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-p.exited:
+		case <-time.After(5 * time.Second):
+			_ = p.cmd.Process.Kill()
+			<-p.exited
+		}
+		if t.Failed() {
+			t.Logf("%s output:\n%s", name, p.out)
+		}
+	})
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	if err := poll(ctx, func() (bool, string) {
+		select {
+		case <-p.exited:
+			return false, "exited"
+		default:
+		}
+		resp, err := c.Get(healthURL)
+		if err != nil {
+			return false, err.Error()
+		}
+		resp.Body.Close()
+		return resp.StatusCode == 200, resp.Status
+	}); err != nil {
+		t.Fatalf("%s not healthy: %v\n%s", name, err, p.out)
+	}
+	return p
 }
 
 // startSim runs an llm-d-inference-sim on addr whose KV events go to zmq,
@@ -41,40 +91,16 @@ func startSim(t *testing.T, addr, zmq string, extra ...string) *sim {
 		"--time-to-first-token", "10ms", "--inter-token-latency", "2ms", "--max-num-seqs", "8",
 		"--enable-kvcache", "--kv-cache-size", "1024", "--block-size", "16", "--event-batch-size", "1",
 		"--zmq-endpoint", zmq}, extra...)
-	s := &sim{addr: addr, zmq: zmq, out: &syncBuffer{}, exited: make(chan struct{})}
-	s.cmd = exec.Command(simBin, args...)
-	s.cmd.Env = append(os.Environ(), "POD_IP=127.0.0.1")
-	s.cmd.Stdout, s.cmd.Stderr = s.out, s.out
-	if err := s.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = s.cmd.Wait(); close(s.exited) }()
-	t.Cleanup(func() {
-		_ = s.cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-s.exited:
-		case <-time.After(5 * time.Second):
-			_ = s.cmd.Process.Kill()
-			<-s.exited
-		}
-		if t.Failed() {
-			t.Logf("sim %s output:\n%s", addr, s.out)
-		}
-	})
-	c := &http.Client{Timeout: time.Second}
-	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-	defer cancel()
-	if err := poll(ctx, func() (bool, string) {
-		resp, err := c.Get("http://" + addr + "/health")
-		if err != nil {
-			return false, err.Error()
-		}
-		resp.Body.Close()
-		return resp.StatusCode == 200, resp.Status
-	}); err != nil {
-		t.Fatalf("sim %s not healthy: %v\n%s", addr, err, s.out)
-	}
+	s := runSim(t, addr, args)
+	s.zmq = zmq
 	return s
+}
+
+// runSim runs an llm-d-inference-sim with args (which must include --port
+// for addr) and waits for its /health.
+func runSim(t *testing.T, addr string, args []string) *sim {
+	t.Helper()
+	return &sim{addr: addr, proc: startProc(t, "sim "+addr, simBin, args, &http.Client{Timeout: time.Second}, "http://"+addr+"/health")}
 }
 
 // tokenPrompt is a /v1/completions body whose prompt is token ids: the

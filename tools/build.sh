@@ -16,6 +16,7 @@ declare -A pkg=(
   [epp]=sigs.k8s.io/gateway-api-inference-extension/cmd/epp
   [nats-server]=github.com/nats-io/nats-server/v2
   [otelcol]=github.com/kvbandit/kvbandit/tools/otelcol
+  [pd-sidecar]=github.com/llm-d/llm-d-inference-scheduler/cmd/pd-sidecar
 )
 for name in "$@"; do
   dir="$here/$name"
