@@ -70,7 +70,7 @@ func New(cfg Config) (*Decider, error) {
 
 // Split implements [routing.Disaggregator].
 func (d *Decider) Split(pre *routing.Scoring, dec *routing.Candidate, p routing.Policy, commit bool) (int, any, routing.PDOutcome) {
-	if pre.ISL <= 0 || len(pre.Req.Tokens) == 0 {
+	if pre.ISL <= 0 {
 		return -1, nil, routing.PDNoBody
 	}
 	if Remaining(pre.ISL, pre.BlockSize, dec) < d.cfg.ThresholdTokens {
