@@ -95,11 +95,11 @@ func TestRecordsAcceptHostNames(t *testing.T) {
 
 func TestRecordRole(t *testing.T) {
 	for rec, want := range map[string]routing.Role{
-		`{"address":"10.0.0.1:8000"}`:                          routing.RoleBoth,
-		`{"address":"10.0.0.1:8000","role":"prefill"}`:         routing.RolePrefill,
-		`{"address":"10.0.0.1:8000","role":"DECODE"}`:          routing.RoleDecode,
+		`{"address":"10.0.0.1:8000"}`:                         routing.RoleBoth,
+		`{"address":"10.0.0.1:8000","role":"prefill"}`:        routing.RolePrefill,
+		`{"address":"10.0.0.1:8000","role":"DECODE"}`:         routing.RoleDecode,
 		`{"address":"10.0.0.1:8000","role":"prefill-decode"}`: routing.RoleBoth,
-		`{"address":"10.0.0.1:8000","role":"both"}`:            routing.RoleBoth,
+		`{"address":"10.0.0.1:8000","role":"both"}`:           routing.RoleBoth,
 	} {
 		ep, err := discovery.DecodeRecord([]byte(rec))
 		if err != nil || ep.Role != want {
