@@ -85,9 +85,15 @@ func (h *prefillHold) release() {
 // It fails with ErrNoEndpoints when no decode candidate is left.
 func splitRoles(sc *Scoring, spaceOf []int8) (pre *Scoring, preSpace, decSpace []int8, err error) {
 	p := *sc
-	p.Candidates = make([]Candidate, 0, len(sc.Candidates))
+	n := 0
+	for i := range sc.Candidates {
+		if sc.Candidates[i].State.Role.Prefills() {
+			n++
+		}
+	}
+	p.Candidates = make([]Candidate, 0, n)
 	p.WantRanked, p.WantPredicted = false, false
-	keep := make([]int, 0, len(sc.Candidates))
+	keep := make([]int, 0, len(sc.Candidates)-n+1)
 	for i := range sc.Candidates {
 		r := sc.Candidates[i].State.Role
 		if r.Prefills() {

@@ -16,6 +16,7 @@ package pd
 import (
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/kvbandit/kvbandit/routing"
 )
@@ -78,14 +79,17 @@ func (d *Decider) Split(pre *routing.Scoring, dec *routing.Candidate, p routing.
 	}
 	// The decode endpoint itself (a both endpoint) is no prefill choice:
 	// prefilling there is the aggregated case.
-	s := *pre
-	s.Candidates = make([]routing.Candidate, 0, len(pre.Candidates))
-	idx := make([]int, 0, len(pre.Candidates))
-	for i := range pre.Candidates {
-		if c := &pre.Candidates[i]; c.Key() != dec.Key() {
-			s.Candidates = append(s.Candidates, *c)
-			idx = append(idx, i)
+	s, idx := pre, []int(nil)
+	if slices.ContainsFunc(pre.Candidates, func(c routing.Candidate) bool { return c.Key() == dec.Key() }) {
+		cp := *pre
+		cp.Candidates = make([]routing.Candidate, 0, len(pre.Candidates)-1)
+		for i := range pre.Candidates {
+			if c := &pre.Candidates[i]; c.Key() != dec.Key() {
+				cp.Candidates = append(cp.Candidates, *c)
+				idx = append(idx, i)
+			}
 		}
+		s = &cp
 	}
 	if len(s.Candidates) == 0 {
 		return -1, nil, routing.PDNoEligiblePrefill
@@ -93,14 +97,17 @@ func (d *Decider) Split(pre *routing.Scoring, dec *routing.Candidate, p routing.
 	var ch routing.Choice
 	var err error
 	if pc, ok := p.(routing.PrefillChooser); ok {
-		ch, err = pc.ChoosePrefill(&s, commit)
+		ch, err = pc.ChoosePrefill(s, commit)
 	} else {
-		ch, err = p.Choose(&s, false)
+		ch, err = p.Choose(s, false)
 	}
 	if err != nil || ch.Index < 0 || ch.Index >= len(s.Candidates) {
 		return -1, nil, routing.PDNoEligiblePrefill
 	}
-	return idx[ch.Index], ch.State, routing.PDDisaggregated
+	if idx != nil {
+		return idx[ch.Index], ch.State, routing.PDDisaggregated
+	}
+	return ch.Index, ch.State, routing.PDDisaggregated
 }
 
 // Remaining is the prompt tokens left to prefill on c: isl minus its cached
