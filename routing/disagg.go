@@ -2,6 +2,7 @@ package routing
 
 import (
 	"fmt"
+	"slices"
 	"sync/atomic"
 
 	"github.com/kvbandit/kvbandit/routing/slots"
@@ -77,6 +78,30 @@ func (h *prefillHold) release() {
 	}
 	h.entry.Free()
 	h.live.InFlight.Add(-1)
+}
+
+// healthyByRole drops ejected endpoints (at now, unix nanos) from eps as
+// the engine does without roles, but role by role for decoding: when every
+// decode or both endpoint is ejected they all stay (the request routes
+// anyway, as when the whole pool is ejected), while ejected prefill-only
+// endpoints always go (the request then stays aggregated).
+func healthyByRole(eps []*EndpointState, now int64) []*EndpointState {
+	out := filterHealthy(eps, now, false)
+	for _, st := range out {
+		if st.Role.Decodes() {
+			return out
+		}
+	}
+	if len(out) == len(eps) {
+		return out // no decode endpoint at all: splitRoles says so
+	}
+	out = slices.Clip(out)
+	for _, st := range eps {
+		if st.Role.Decodes() {
+			out = append(out, st)
+		}
+	}
+	return out
 }
 
 // splitRoles divides the candidates of a pool that has prefill-role

@@ -763,9 +763,13 @@ type keySpace struct {
 func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	snap := e.snap.Load()
 	now := e.clk.Now()
-	eps, err := snap.candidates(req, e.opts.PassThroughUnknownModels, !e.opts.Ejection.Disabled, now.UnixNano())
+	pdRoles, health := snap.prefillRole && e.deps.PD != nil, !e.opts.Ejection.Disabled
+	eps, err := snap.candidates(req, e.opts.PassThroughUnknownModels, health && !pdRoles, now.UnixNano())
 	if err != nil {
 		return nil, err
+	}
+	if pdRoles && health {
+		eps = healthyByRole(eps, now.UnixNano())
 	}
 	n := 0
 	for _, st := range eps {
@@ -858,7 +862,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	}
 	var pre *Scoring
 	var preSpace []int8
-	if snap.prefillRole && e.deps.PD != nil {
+	if pdRoles {
 		if pre, preSpace, spaceOf, err = splitRoles(sc, spaceOf); err != nil {
 			return nil, err
 		}

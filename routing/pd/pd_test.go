@@ -339,3 +339,28 @@ func TestConfig(t *testing.T) {
 		}
 	}
 }
+
+// TestEjection: an ejected prefill endpoint is no prefill choice (requests
+// stay aggregated); when every decode endpoint is ejected, requests still
+// route to them (as when a whole pool is ejected) instead of failing.
+func TestEjection(t *testing.T) {
+	e := engine(t, "kv", 0, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill))
+	for range routing.DefaultScrapeFailures {
+		e.ReportScrapeFailure(pre1)
+	}
+	d := pick(t, e, req(tokens(2048, 1)))
+	if d.PD != routing.PDNoEligiblePrefill || d.Endpoint != dec1 {
+		t.Fatalf("prefill ejected: %v on %s prefill %q", d.PD, d.Endpoint, d.Prefill)
+	}
+	d.Done(routing.NoUsage(routing.OutcomeSuccess))
+	e.ReportLoad(pre1, routing.Load{Known: true}, 0) // a good scrape ends it
+	for range routing.DefaultScrapeFailures {
+		e.ReportScrapeFailure(dec1)
+	}
+	d = pick(t, e, req(tokens(2048, 5000)))
+	if d.Endpoint != dec1 || d.Prefill != pre1 {
+		t.Fatalf("decode ejected: %v on %s prefill %q", d.PD, d.Endpoint, d.Prefill)
+	}
+	d.Done(routing.NoUsage(routing.OutcomeSuccess))
+	wantLoads(t, e, "after", map[routing.EndpointKey]load{dec1: {}, pre1: {}})
+}
