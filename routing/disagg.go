@@ -174,6 +174,15 @@ func (e *Engine) disaggregate(d *Decision, c *Candidate, pre *Scoring, preSpace 
 	e.insertApprox(rs, ks.bs, ks.keys, pre.Now)
 }
 
+// decodeISL is the prompt tokens the decode endpoint prefills: isl, or 0
+// when a prefill endpoint holds the prefill load.
+func (d *Decision) decodeISL(isl int) int {
+	if d.pre != nil {
+		return 0
+	}
+	return isl
+}
+
 // pdCounts returns the committed decisions per PDOutcome.
 func (e *Engine) pdCounts() [pdOutcomes]int64 {
 	var out [pdOutcomes]int64

@@ -951,11 +951,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		if e.opts.DisableActiveBlocks {
 			keys = nil
 		}
-		isl := sc.ISL
-		if d.pre != nil {
-			isl = 0 // the prefill endpoint carries the prefill load
-		}
-		d.entry = rs.slot.Add(keys, isl, c.Overlap, ks.bs)
+		d.entry = rs.slot.Add(keys, d.decodeISL(sc.ISL), c.Overlap, ks.bs)
 	}
 	e.insertApprox(rs, ks.bs, ks.keys, sc.Now)
 	d.share = shareInfo{keys: ks.keys, bs: ks.bs, isl: sc.ISL, queued: c.ActivePrefillTokens, req: req.shared()}
