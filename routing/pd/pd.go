@@ -21,12 +21,14 @@ import (
 	"github.com/kvbandit/kvbandit/routing"
 )
 
-// DefaultThresholdTokens is the default of Config.ThresholdTokens. Below
-// it, prefilling on the decode worker costs less than a KV transfer: 512
-// tokens (32 blocks of 16) is one prefill step of well under 100 ms on a
-// current GPU, about what a NIXL handshake and transfer add, and it is
-// the order of llm-d's pdThreshold examples (its decider's default, 0,
-// disaggregates everything).
+// DefaultThresholdTokens is the default of Config.ThresholdTokens. The
+// rule is that of llm-d's prefix-based-pd-decider (its nonCachedTokens),
+// whose default, 0, disaggregates every prompt; kvbandit keeps short
+// prompts local instead: 512 tokens (32 blocks of 16) is one prefill step
+// of an 8B model, an estimate of a few tens of milliseconds on a
+// datacenter GPU, about what a P/D round adds (the sidecar's extra request
+// to the prefill worker, then the KV transfer), so below it
+// disaggregation cannot pay for itself. Measure it on your fleet.
 const DefaultThresholdTokens = 512
 
 // MaxThresholdTokens bounds the threshold (a larger value turns P/D off in
