@@ -25,6 +25,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
 )
 
@@ -39,6 +40,8 @@ type goldenCase struct {
 	ResponseProcessing *bool              `json:"response_processing"`
 	TenantHeader       string             `json:"tenant_header"`
 	Fallbacks          int                `json:"fallbacks"`
+	// PDThresholdTokens turns P/D disaggregation on (routing/pd).
+	PDThresholdTokens *int `json:"pd_threshold_tokens"`
 }
 
 const separator = "\n---\n"
@@ -93,7 +96,13 @@ func runCase(t *testing.T, gc goldenCase, reqs []*extprocv3.ProcessingRequest) (
 		t.Fatal(err)
 	}
 	log := slog.New(slog.DiscardHandler)
-	e := routing.MustEngine(pol, routing.Options{Fallbacks: gc.Fallbacks}, routing.Deps{Rand: rnd, Logger: log})
+	deps := routing.Deps{Rand: rnd, Logger: log}
+	if gc.PDThresholdTokens != nil {
+		if deps.PD, err = pd.New(pd.Config{ThresholdTokens: *gc.PDThresholdTokens}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e := routing.MustEngine(pol, routing.Options{Fallbacks: gc.Fallbacks}, deps)
 	defer e.Close()
 	if err := e.Update(routing.EndpointSet{Source: "golden", Endpoints: gc.Endpoints}); err != nil {
 		t.Fatal(err)

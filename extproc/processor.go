@@ -704,6 +704,9 @@ func (p *processor) mutation() *extprocv3.HeaderMutation {
 		if rank >= 0 {
 			hm.SetHeaders = append(hm.SetHeaders, setHeader(HeaderDPRank, strconv.Itoa(rank)))
 		}
+		if pre := p.decision.Prefill; pre != "" {
+			hm.SetHeaders = append(hm.SetHeaders, setHeader(HeaderPrefiller, string(pre)))
+		}
 		// Tracing on: the worker's parent is the stream's span.
 		if tp, ts := p.span.TraceContext(); tp != "" {
 			hm.SetHeaders = append(hm.SetHeaders, setHeader(tracing.HeaderTraceparent, tp))
@@ -716,7 +719,7 @@ func (p *processor) mutation() *extprocv3.HeaderMutation {
 	}
 	for _, k := range p.spoofed {
 		lk := strings.ToLower(k)
-		if (lk == HeaderDestination && p.decision != nil) || (lk == HeaderDPRank && rank >= 0) {
+		if (lk == HeaderDestination && p.decision != nil) || (lk == HeaderDPRank && rank >= 0) || (lk == HeaderPrefiller && p.decision != nil && p.decision.Prefill != "") {
 			continue // overwritten above
 		}
 		hm.RemoveHeaders = append(hm.RemoveHeaders, k)

@@ -140,6 +140,15 @@ type Decision struct {
 	// Predicted is the policy's predicted TTFT on the chosen candidate,
 	// with its parts (zero when the policy does not predict).
 	Predicted Prediction
+	// Prefill is the endpoint that runs the request's prefill when the
+	// request is disaggregated (PD is PDDisaggregated), "" when it is
+	// aggregated on Endpoint. PrefillRank is its data-parallel rank (-1
+	// for a single rank) and PrefillOverlap its cached prefix blocks.
+	Prefill        EndpointKey
+	PrefillRank    int
+	PrefillOverlap int
+	// PD is whether the decision was disaggregated and, if not, why.
+	PD PDOutcome
 
 	// state is the policy's private per-decision state (Choice.State).
 	state any
@@ -155,15 +164,22 @@ type Decision struct {
 	onEnd     func(*Decision, Outcome)
 	onFirst   func()
 	prefilled atomic.Bool
+	// pre is a disaggregated decision's hold on its prefill endpoint and
+	// preState the prefill choice's policy state.
+	pre      *prefillHold
+	preState any
 }
 
 // Prefilled reports that the response's first generated content arrived:
 // the request's prompt has been prefilled, so its tokens stop counting as
-// prefill load. Calls after the first, or after Done, do nothing.
+// prefill load, and a disaggregated decision's prefill endpoint is
+// released (only the decode endpoint carries the request from then on).
+// Calls after the first, or after Done, do nothing.
 func (d *Decision) Prefilled() {
 	if d == nil || d.done.Load() || !d.prefilled.CompareAndSwap(false, true) {
 		return
 	}
+	d.pre.release()
 	if d.onFirst != nil {
 		d.onFirst()
 	}
@@ -179,6 +195,7 @@ func (d *Decision) Done(o Outcome) bool {
 	if d.live != nil {
 		d.live.InFlight.Add(-1)
 	}
+	d.pre.release()
 	if d.onEnd != nil {
 		d.onEnd(d, o)
 	}
@@ -189,6 +206,14 @@ func (d *Decision) Done(o Outcome) bool {
 // Choice. Only the policy that made the decision should call it.
 func (d *Decision) PolicyState() any { return d.state }
 
+// PrefillState returns the policy state of a disaggregated decision's
+// prefill choice ([PrefillChooser]); nil otherwise.
+func (d *Decision) PrefillState() any { return d.preState }
+
+// PrefillHeld reports whether a disaggregated decision still holds its
+// prefill endpoint (no first token and no Done yet).
+func (d *Decision) PrefillHeld() bool { return d.pre != nil && !d.pre.released.Load() }
+
 // Finished reports whether Done was called.
 func (d *Decision) Finished() bool { return d.done.Load() }
 
@@ -196,7 +221,7 @@ func (d *Decision) Finished() bool { return d.done.Load() }
 // state st, as a policy's Done receives it. It is for policy unit tests,
 // which run without an engine: they call the policy's Done with it.
 func NewTestDecision(ep EndpointKey, st any, at time.Time) *Decision {
-	return &Decision{Endpoint: ep, DPRank: -1, At: at, state: st}
+	return &Decision{Endpoint: ep, DPRank: -1, PrefillRank: -1, At: at, state: st}
 }
 
 // SessionTurn is where a request with a prefix id went relative to its

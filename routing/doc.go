@@ -41,6 +41,15 @@
 // and ignored. Callers (the ext_proc stream, the proxy) call Done on
 // success, upstream error, client cancel, stream reset and shutdown.
 //
+// In a pool with prefill-role endpoints ([Role]) and a [Disaggregator] in
+// Deps.PD, the policy chooses among the decode and both endpoints, and the
+// disaggregator may name a prefill endpoint ([Decision.Prefill]). That
+// endpoint then counts the request in flight, with its prompt as prefill
+// load, until [Decision.Prefilled] (the first token) or Done, whichever
+// comes first; the decode endpoint carries the request until Done, with no
+// prefill tokens. A pool without prefill endpoints never reaches the
+// disaggregator.
+//
 // # Peer replicas
 //
 // Replicas that route for the same fleet (active-active, over routing/sync)
@@ -52,6 +61,7 @@
 // replacing the peer's set, the peer's TTL) or after Options.StaleAfter.
 // Outcomes travel the same way ([Decision.ShareOutcome],
 // [Engine.LearnRemote]) to the policies that learn ([RemoteLearner]);
-// endpoint health stays local. Peers' decisions are bounded in number and
+// endpoint health stays local. A disaggregated decision is shared by its
+// decode side only: peers do not see its prefill hold. Peers' decisions are bounded in number and
 // held block keys (Options.MaxRemoteDecisions, Options.RemoteBlockBudget).
 package routing

@@ -54,6 +54,9 @@ type Endpoint struct {
 	// MetricsURL is the worker's Prometheus endpoint; empty means
 	// http://<address>/metrics.
 	MetricsURL string `json:"metrics_url,omitempty"`
+	// Role is the endpoint's prefill/decode role (record field "role":
+	// prefill, decode, both or prefill-decode; absent means both).
+	Role Role `json:"role,omitempty"`
 
 	// addr is the parsed Key, filled by Validate.
 	addr netip.AddrPort
@@ -69,7 +72,7 @@ func (e *Endpoint) Equal(o *Endpoint) bool {
 		e.Engine == o.Engine && e.BlockSize == o.BlockSize && e.MaxBatchedTokens == o.MaxBatchedTokens &&
 		e.DataParallelSize == o.DataParallelSize && e.Weight == o.Weight && maps.Equal(e.Labels, o.Labels) &&
 		e.KVEvents == o.KVEvents && e.KVEventsBind == o.KVEventsBind && e.KVEventsReplay == o.KVEventsReplay && e.KVEventsFirstSeq == o.KVEventsFirstSeq &&
-		e.MetricsURL == o.MetricsURL
+		e.MetricsURL == o.MetricsURL && e.Role == o.Role
 }
 
 // Addr returns the parsed address (valid after [EndpointSet.Validate]).
@@ -153,6 +156,8 @@ func (s *EndpointSet) Validate() error {
 			return fmt.Errorf("%w: endpoint %q: negative data_parallel_size", ErrInvalidEndpointSet, e.Key)
 		case e.Weight < 0 || e.Weight != e.Weight:
 			return fmt.Errorf("%w: endpoint %q: weight must be a non-negative number", ErrInvalidEndpointSet, e.Key)
+		case e.Role > RoleDecode:
+			return fmt.Errorf("%w: endpoint %q: role %d out of range", ErrInvalidEndpointSet, e.Key, e.Role)
 		case !slices.Contains(Engines, e.Engine):
 			return fmt.Errorf("%w: endpoint %q: unknown engine %q (want vllm or sglang)", ErrInvalidEndpointSet, e.Key, e.Engine)
 		}

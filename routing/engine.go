@@ -124,6 +124,9 @@ type Deps struct {
 	// Gate, if set, narrows the candidates of requests with a TTFT
 	// objective before the policy chooses (routing/slo).
 	Gate Gate
+	// PD, if set, disaggregates requests in pools with prefill-role
+	// endpoints (routing/pd); nil ignores roles.
+	PD Disaggregator
 }
 
 // Gate narrows the candidates of a request that has a TTFT objective.
@@ -289,6 +292,8 @@ type snapshot struct {
 	models map[ModelName]struct{}
 	// anyModel is set when some endpoint declares no models.
 	anyModel bool
+	// prefillRole is set when some endpoint has the prefill role.
+	prefillRole bool
 }
 
 // Engine is the [Picker] built from the current endpoint snapshot and a
@@ -319,6 +324,8 @@ type Engine struct {
 	// ejectErrors and ejectScrape count ejections by reason.
 	ejectErrors atomic.Int64
 	ejectScrape atomic.Int64
+	// pdCount counts committed decisions by PDOutcome.
+	pdCount [pdOutcomes]atomic.Int64
 	// inserts feeds the index goroutine (nil with SyncIndex).
 	inserts      chan insert
 	insertsDone  chan struct{}
@@ -485,6 +492,7 @@ func (e *Engine) Update(set EndpointSet) error {
 		if len(ep.Models) == 0 {
 			next.anyModel = true
 		}
+		next.prefillRole = next.prefillRole || ep.Role == RolePrefill
 		for _, m := range ep.Models {
 			next.models[m] = struct{}{}
 		}
@@ -755,9 +763,13 @@ type keySpace struct {
 func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	snap := e.snap.Load()
 	now := e.clk.Now()
-	eps, err := snap.candidates(req, e.opts.PassThroughUnknownModels, !e.opts.Ejection.Disabled, now.UnixNano())
+	pdRoles, health := snap.prefillRole && e.deps.PD != nil, !e.opts.Ejection.Disabled
+	eps, err := snap.candidates(req, e.opts.PassThroughUnknownModels, health && !pdRoles, now.UnixNano())
 	if err != nil {
 		return nil, err
+	}
+	if pdRoles && health {
+		eps = healthyByRole(eps, now.UnixNano())
 	}
 	n := 0
 	for _, st := range eps {
@@ -848,6 +860,13 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		tLook = time.Now()
 		tm.Lookup = tLook.Sub(t0) - tm.Hash
 	}
+	var pre *Scoring
+	var preSpace []int8
+	if pdRoles {
+		if pre, preSpace, spaceOf, err = splitRoles(sc, spaceOf); err != nil {
+			return nil, err
+		}
+	}
 	if e.deps.Gate != nil && req.Hints.TTFTObjective > 0 {
 		keep, gerr := e.deps.Gate.Filter(sc, e.policy, commit)
 		if gerr != nil {
@@ -883,7 +902,8 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 
 		Objective: req.Hints.TTFTObjective,
 	}
-	d.Session = ch.Session
+	d.Session, d.PrefillRank = ch.Session, -1
+	e.disaggregate(d, c, pre, preSpace, spaceList, commit)
 	d.Predicted = ch.Prediction
 	if len(ch.Predicted) == len(sc.Candidates) {
 		d.Predicted = ch.Predicted[ch.Index]
@@ -931,7 +951,7 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		if e.opts.DisableActiveBlocks {
 			keys = nil
 		}
-		d.entry = rs.slot.Add(keys, sc.ISL, c.Overlap, ks.bs)
+		d.entry = rs.slot.Add(keys, d.decodeISL(sc.ISL), c.Overlap, ks.bs)
 	}
 	e.insertApprox(rs, ks.bs, ks.keys, sc.Now)
 	d.share = shareInfo{keys: ks.keys, bs: ks.bs, isl: sc.ISL, queued: c.ActivePrefillTokens, req: req.shared()}

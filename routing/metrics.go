@@ -13,6 +13,8 @@ type Collector struct {
 	remoteExpired *prometheus.Desc
 	decisions     *prometheus.Desc
 	endpoints     *prometheus.Desc
+	role          *prometheus.Desc
+	pd            *prometheus.Desc
 	prefill       *prometheus.Desc
 	blocks        *prometheus.Desc
 	indexEntries  *prometheus.Desc
@@ -40,6 +42,8 @@ func NewCollector(e *Engine) *Collector {
 		remoteExpired: prometheus.NewDesc("kvbandit_remote_decisions_expired_total", "Peer replicas' decisions released by the stale-decision timer because their end never came.", nil, nil),
 		decisions:     prometheus.NewDesc("kvbandit_endpoint_decisions_total", "Decisions made for the endpoint.", []string{"endpoint"}, nil),
 		endpoints:     prometheus.NewDesc("kvbandit_endpoints", "Endpoints in the current set.", nil, nil),
+		role:          prometheus.NewDesc("kvbandit_endpoint_role", "1 for each endpoint of the current set, labelled with its prefill/decode role (prefill, decode, both).", []string{"endpoint", "role"}, nil),
+		pd:            prometheus.NewDesc("kvbandit_pd_decisions_total", "Committed decisions in pools with prefill-role endpoints, by outcome: disaggregated, or why aggregated (no_body, below_threshold, no_eligible_prefill). Pools without prefill endpoints count no_prefill_endpoints.", []string{"outcome"}, nil),
 		prefill:       prometheus.NewDesc("kvbandit_endpoint_active_prefill_tokens", "Prompt tokens of in-flight requests not prefilled yet.", []string{"endpoint"}, nil),
 		blocks:        prometheus.NewDesc("kvbandit_endpoint_active_blocks", "Distinct KV blocks held by in-flight requests.", []string{"endpoint"}, nil),
 		indexEntries:  prometheus.NewDesc("kvbandit_index_entries", "(block, worker) entries in the KV index, by mode.", []string{"mode"}, nil),
@@ -59,7 +63,7 @@ func NewCollector(e *Engine) *Collector {
 
 // Describe implements [prometheus.Collector].
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.inflight, c.remote, c.remoteExpired, c.decisions, c.endpoints, c.prefill, c.blocks, c.indexEntries, c.indexBlocks, c.indexTiers, c.indexEvents, c.indexDropped, c.expired, c.servedUnknown, c.insertsDrop, c.queueDepth, c.queueOutcomes, c.ejections, c.ejected} {
+	for _, d := range []*prometheus.Desc{c.inflight, c.remote, c.remoteExpired, c.decisions, c.endpoints, c.role, c.pd, c.prefill, c.blocks, c.indexEntries, c.indexBlocks, c.indexTiers, c.indexEvents, c.indexDropped, c.expired, c.servedUnknown, c.insertsDrop, c.queueDepth, c.queueOutcomes, c.ejections, c.ejected} {
 		ch <- d
 	}
 }
@@ -75,6 +79,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		if st.Ejected(now) {
 			ejected++
 		}
+		ch <- prometheus.MustNewConstMetric(c.role, prometheus.GaugeValue, 1, k, st.Role.String())
 		ch <- prometheus.MustNewConstMetric(c.inflight, prometheus.GaugeValue, float64(st.InFlight.Load()), k)
 		ch <- prometheus.MustNewConstMetric(c.remote, prometheus.GaugeValue, float64(st.RemoteInFlight.Load()), k)
 		ch <- prometheus.MustNewConstMetric(c.decisions, prometheus.CounterValue, float64(st.Decisions.Load()), k)
@@ -84,6 +89,9 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			blocks += b
 		}
 		ch <- prometheus.MustNewConstMetric(c.blocks, prometheus.GaugeValue, float64(blocks), k)
+	}
+	for o, n := range c.e.pdCounts() {
+		ch <- prometheus.MustNewConstMetric(c.pd, prometheus.CounterValue, float64(n), PDOutcome(o).String())
 	}
 	is := c.e.index.Stats()
 	ch <- prometheus.MustNewConstMetric(c.indexEntries, prometheus.GaugeValue, float64(is.ApproxEntries), "approximate")

@@ -671,6 +671,11 @@ func (x *exchange) run(w http.ResponseWriter, r *http.Request, target string, bo
 	if d.DPRank >= 0 {
 		up.Header.Set(extproc.HeaderDPRank, strconv.Itoa(d.DPRank))
 	}
+	if d.Prefill != "" {
+		// Disaggregated: the decode worker's P/D sidecar runs the
+		// prefill stage on this endpoint (the proxy does not).
+		up.Header.Set(extproc.HeaderPrefiller, string(d.Prefill))
+	}
 	x.up = x.span.StartUpstream(up, ep)
 	resp, err := p.rt.RoundTrip(up)
 	// The worker has answered or cannot be reached: the body is no longer

@@ -25,6 +25,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc/proxy"
 	"github.com/kvbandit/kvbandit/internal/tracing"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
 )
 
@@ -103,6 +104,10 @@ type options struct {
 	objectives hints.Priorities
 	reg        *prometheus.Registry
 	tracer     *tracing.Tracer
+	// roles are the workers' roles, in order; pd turns P/D on with this
+	// threshold.
+	roles []routing.Role
+	pd    *pd.Decider
 }
 
 func newFixture(t testing.TB, o options) *fixture {
@@ -123,6 +128,9 @@ func newFixture(t testing.TB, o options) *fixture {
 		if o.models {
 			ep.Models = []routing.ModelName{routing.ModelName(w.Model())}
 		}
+		if i := len(eps); i < len(o.roles) {
+			ep.Role = o.roles[i]
+		}
 		eps = append(eps, ep)
 	}
 	if o.endpoints != nil {
@@ -136,7 +144,11 @@ func newFixture(t testing.TB, o options) *fixture {
 	if c, ok := pol.(interface{ Close() error }); ok {
 		t.Cleanup(func() { c.Close() })
 	}
-	f.engine = routing.MustEngine(pol, routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler), Rand: rnd, OnDone: f.out.onDone, OnDecision: f.out.onDecision})
+	rdeps := routing.Deps{Logger: slog.New(slog.DiscardHandler), Rand: rnd, OnDone: f.out.onDone, OnDecision: f.out.onDecision}
+	if o.pd != nil {
+		rdeps.PD = o.pd
+	}
+	f.engine = routing.MustEngine(pol, routing.Options{}, rdeps)
 	t.Cleanup(f.engine.Close)
 	if len(eps) > 0 {
 		if err := f.engine.Update(routing.EndpointSet{Source: "test", Endpoints: eps}); err != nil {
@@ -619,4 +631,47 @@ func TestProxySpoofedHeaders(t *testing.T) {
 		t.Errorf("X-Forwarded-For %q", rq.Header.Get("X-Forwarded-For"))
 	}
 	f.out.wait(t, 1)
+}
+
+// TestProxyPrefillerHeader: in a P/D pool the proxy sends a long prompt to
+// the decode worker with x-prefiller-host-port naming the prefill worker
+// (for the decode worker's P/D sidecar; the proxy runs no prefill stage
+// itself), replacing a client's copy; /v1/route shows the same choice;
+// both workers' in-flight counts return to 0.
+func TestProxyPrefillerHeader(t *testing.T) {
+	dec, err := pd.New(pd.Config{ThresholdTokens: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := newFixture(t, options{workers: 2, roles: []routing.Role{routing.RoleDecode, routing.RolePrefill}, pd: dec})
+	decode, prefill := f.workers[0].Addr(), f.workers[1].Addr()
+	long := chatBody("test-model", strings.Repeat("route this long prompt please ", 40), "")
+	resp, b := f.post(t, proxy.RoutePath, long)
+	var rr proxy.RouteResponse
+	if err := json.Unmarshal(b, &rr); err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("route: %d %s", resp.StatusCode, b)
+	}
+	if rr.Endpoint != decode || rr.Prefill != prefill || rr.PD != "disaggregated" {
+		t.Fatalf("route: %+v", rr)
+	}
+	resp, _ = f.post(t, "/v1/chat/completions", long, "X-Prefiller-Host-Port", "10.9.9.9:80")
+	if resp.StatusCode != http.StatusOK || resp.Header.Get(proxy.HeaderEndpoint) != decode {
+		t.Fatalf("status %d on %q", resp.StatusCode, resp.Header.Get(proxy.HeaderEndpoint))
+	}
+	if got := f.worker(t, decode).Requests()[0].Header.Values("x-prefiller-host-port"); len(got) != 1 || got[0] != prefill {
+		t.Errorf("decode worker got x-prefiller-host-port %q, want %q", got, prefill)
+	}
+	if n := len(f.worker(t, prefill).Requests()); n != 0 {
+		t.Errorf("the prefill worker got %d requests from the proxy", n)
+	}
+	// A short prompt stays aggregated: no header at all.
+	resp, _ = f.post(t, "/v1/chat/completions", []byte(`{"model":"test-model","prompt":"hi"}`), "X-Prefiller-Host-Port", "10.9.9.9:80")
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("short: %d", resp.StatusCode)
+	}
+	if rq := f.worker(t, decode).Requests(); len(rq) != 2 || rq[1].Header.Get("x-prefiller-host-port") != "" {
+		t.Errorf("short prompt: %d requests, header %q", len(rq), rq[len(rq)-1].Header.Get("x-prefiller-host-port"))
+	}
+	f.out.wait(t, 2)
+	f.inflightZero(t)
 }

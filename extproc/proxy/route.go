@@ -41,6 +41,13 @@ type RouteResponse struct {
 	// the byte estimate rather than the model's tokenizer.
 	Tokens    int  `json:"tokens"`
 	Estimated bool `json:"estimated"`
+	// Prefill is the prefill endpoint when the request would be
+	// disaggregated (the x-prefiller-host-port value); PD is the P/D
+	// outcome (disaggregated, below_threshold, no_body,
+	// no_eligible_prefill). Both are absent for a pool without
+	// prefill-role endpoints.
+	Prefill string `json:"prefill,omitempty"`
+	PD      string `json:"pd,omitempty"`
 }
 
 // route answers POST /v1/route through the engine's side-effect-free
@@ -75,7 +82,10 @@ func (p *Proxy) route(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	out := RouteResponse{Endpoint: string(d.Endpoint), DPRank: d.DPRank, Policy: d.Policy, Scores: make(map[string]float64, len(d.Scores)),
-		OverlapBlocks: d.Overlap, Tokens: req.TokenCount, Estimated: req.Estimated}
+		OverlapBlocks: d.Overlap, Tokens: req.TokenCount, Estimated: req.Estimated, Prefill: string(d.Prefill)}
+	if d.PD != routing.PDNoPrefillEndpoints {
+		out.PD = d.PD.String()
+	}
 	for _, s := range d.Scores {
 		if !math.IsNaN(s.Score) && !math.IsInf(s.Score, 0) { // JSON has no infinities
 			out.Scores[scoreKey(s)] = s.Score

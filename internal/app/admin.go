@@ -98,6 +98,8 @@ func newAdminServer(o AdminOptions, st adminState) *http.Server {
 func (st adminState) endpoints(w http.ResponseWriter, _ *http.Request) {
 	type row struct {
 		routing.Endpoint
+		// Role is always shown (the record omits "both").
+		Role string `json:"role"`
 		// InFlight is this replica's decisions, RemoteInFlight its
 		// peers' (--sync-nats), FleetInFlight their sum.
 		InFlight       int64               `json:"inflight"`
@@ -113,7 +115,7 @@ func (st adminState) endpoints(w http.ResponseWriter, _ *http.Request) {
 	now := st.engine.Clock().Now()
 	for _, e := range st.engine.Endpoints() {
 		local, remote := e.InFlight.Load(), e.RemoteInFlight.Load()
-		rows = append(rows, row{e.Endpoint, local, remote, local + remote, e.Decisions.Load(), e.Health(now), e.ScrapedAdapters(), st.engine.TierBlocks(e)})
+		rows = append(rows, row{e.Endpoint, e.Role.String(), local, remote, local + remote, e.Decisions.Load(), e.Health(now), e.ScrapedAdapters(), st.engine.TierBlocks(e)})
 	}
 	w.Header().Set("content-type", "application/json")
 	ds := st.hub.Stats()

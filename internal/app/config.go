@@ -11,6 +11,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
+	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
@@ -53,6 +54,9 @@ type FileConfig struct {
 	// Sync shares in-flight decisions and outcomes with the other
 	// replicas of the pool over NATS (active-active; off without servers).
 	Sync SyncConfig `json:"sync"`
+	// PD tunes prefill/decode disaggregation in pools with prefill-role
+	// endpoints (routing/pd); --pd-threshold-tokens overrides it.
+	PD pd.Config `json:"pd"`
 }
 
 // SyncConfig configures routing/sync. --sync-nats overrides
@@ -243,6 +247,7 @@ func DefaultFileConfig() FileConfig {
 			TierWeights: routing.DefaultTierWeights(),
 		},
 		Config:      policy.DefaultConfig(),
+		PD:          pd.DefaultConfig(),
 		PrefixState: PrefixStateConfig{TTLSecs: prefixstate.DefaultTTL.Seconds(), MaxEntries: prefixstate.DefaultMaxEntries},
 		DecisionLog: DecisionLogConfig{Format: "csv"},
 		Tokenizer:   TokenizerConfig{CacheBytes: 64 << 20, TimeoutSecs: 5},
@@ -338,6 +343,9 @@ func (c *FileConfig) Validate() error {
 		return err
 	}
 	if err := c.Sync.validate(); err != nil {
+		return err
+	}
+	if err := c.PD.Validate(); err != nil {
 		return err
 	}
 	for name, m := range c.Models {

@@ -77,6 +77,7 @@ type registerOptions struct {
 	blockSize, maxBatched, dpSize          int
 	weight                                 float64
 	kvBind                                 bool
+	role                                   routing.Role
 }
 
 func (o *registerOptions) addFlags(fs *flag.FlagSet) {
@@ -108,6 +109,7 @@ func (o *registerOptions) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.kvReplay, "kv-events-replay", "", "KV-events replay address (vLLM replay_endpoint)")
 	fs.Uint64Var(&o.kvFirstSeq, "kv-events-first-seq", 0, "sequence number of the worker's first KV-event message (vLLM 0, llm-d-inference-sim 1)")
 	fs.Var(o.labels, "label", "discovery label key=value (repeatable)")
+	fs.TextVar(&o.role, "role", routing.RoleBoth, "prefill/decode role: prefill, decode or both (prefill-decode)")
 }
 
 // record builds the endpoint record: the --record file, then the flags
@@ -161,6 +163,9 @@ func (o *registerOptions) record(set map[string]bool) (routing.Endpoint, error) 
 	}
 	if set["kv-events-first-seq"] {
 		ep.KVEventsFirstSeq = o.kvFirstSeq
+	}
+	if set["role"] {
+		ep.Role = o.role
 	}
 	if len(o.labels) > 0 {
 		if ep.Labels == nil {

@@ -53,6 +53,7 @@ func TestRegisterFlagValidation(t *testing.T) {
 		"bad host name":    {"--etcd-endpoints", "127.0.0.1:2379", "--address", "wor..ker:8000"},
 		"no port":          {"--etcd-endpoints", "127.0.0.1:2379", "--address", "10.0.0.1"},
 		"engine":           append(base[:4:4], "--engine", "tgi"),
+		"role":             append(base[:4:4], "--role", "encode"),
 		"negative block":   append(base[:4:4], "--block-size", "-16"),
 		"negative weight":  append(base[:4:4], "--weight", "-1"),
 		"label":            append(base[:4:4], "--label", "novalue"),
@@ -88,18 +89,18 @@ func TestRegisterFlagValidation(t *testing.T) {
 func TestRegisterRecordMerge(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "rec.yaml")
-	yml := "address: 10.0.0.1:8000\nengine: sglang\nmodels: [a]\nblock_size: 16\nlabels: {zone: z1}\n"
+	yml := "address: 10.0.0.1:8000\nengine: sglang\nmodels: [a]\nblock_size: 16\nlabels: {zone: z1}\nrole: decode\n"
 	if err := os.WriteFile(path, []byte(yml), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	o := &registerOptions{labels: labelFlag{"rack": "r2"}, recordFile: path,
-		models: listFlag{"m1", "m2"}, engine: "vllm", address: "[::ffff:10.0.0.2]:9000"}
-	ep, err := o.record(map[string]bool{"model": true, "engine": true, "address": true})
+		models: listFlag{"m1", "m2"}, engine: "vllm", address: "[::ffff:10.0.0.2]:9000", role: routing.RolePrefill}
+	ep, err := o.record(map[string]bool{"model": true, "engine": true, "address": true, "role": true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	want := routing.Endpoint{Key: "10.0.0.2:9000", Engine: "vllm", Models: []routing.ModelName{"m1", "m2"},
-		BlockSize: 16, Labels: map[string]string{"zone": "z1", "rack": "r2"}}
+		BlockSize: 16, Labels: map[string]string{"zone": "z1", "rack": "r2"}, Role: routing.RolePrefill}
 	if !ep.Equal(&want) {
 		t.Errorf("record = %+v, want %+v", ep, want)
 	}
@@ -143,7 +144,7 @@ func TestRegisterEndToEnd(t *testing.T) {
 		done <- Run(ctx, []string{"register",
 			"--etcd-endpoints", srv.Addr(), "--etcd-prefix", "/e2e", "--etcd-pool", "p",
 			"--id", "w1", "--address", addr, "--model", "m1,m2", "--engine", "vllm",
-			"--label", "zone=a", "--ttl", "2s", "--health-interval", "20ms",
+			"--label", "zone=a", "--role", "decode", "--ttl", "2s", "--health-interval", "20ms",
 		}, &bytes.Buffer{}, &stderr)
 	}()
 	const key = "/e2e/p/endpoints/w1"
@@ -172,7 +173,7 @@ func TestRegisterEndToEnd(t *testing.T) {
 		t.Fatalf("record %s: %v", value, err)
 	}
 	want := routing.Endpoint{Key: routing.EndpointKey(addr), Engine: "vllm", Models: []routing.ModelName{"m1", "m2"},
-		Labels: map[string]string{"zone": "a"}}
+		Labels: map[string]string{"zone": "a"}, Role: routing.RoleDecode}
 	if !ep.Equal(&want) {
 		t.Errorf("record = %+v, want %+v", ep, want)
 	}

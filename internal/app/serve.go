@@ -33,6 +33,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/discovery/dns"
 	"github.com/kvbandit/kvbandit/routing/discovery/eds"
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
+	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/scrape"
 )
@@ -71,6 +72,7 @@ type ServeOptions struct {
 	MaxInflight        int
 	MaxBufferedBytes   int64
 	Fallbacks          int
+	PDThresholdTokens  int
 	DecisionTimeout    time.Duration
 	DrainTimeout       time.Duration
 	StopGrace          time.Duration
@@ -143,6 +145,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.MaxInflight, "max-inflight", extproc.DefaultMaxInflight, "concurrent ext_proc streams, and (counted apart) concurrent --http-addr proxy requests (503 beyond, before any buffering)")
 	fs.Int64Var(&o.MaxBufferedBytes, "max-buffered-bytes", 0, "request body bytes buffered at once by the ext_proc streams and the --http-addr proxy together (503 server_busy beyond); 0 = max(4 x max-body-bytes, 256 MiB)")
 	fs.IntVar(&o.Fallbacks, "fallbacks", 0, "extra endpoints appended to the destination list; keep 0 with ORIGINAL_DST data planes")
+	fs.IntVar(&o.PDThresholdTokens, "pd-threshold-tokens", pd.DefaultThresholdTokens, "P/D pools (endpoints with role prefill): prompts with fewer uncached tokens on the chosen decode endpoint stay aggregated (config pd.threshold_tokens; 0 disaggregates every prompt)")
 	fs.DurationVar(&o.DecisionTimeout, "decision-timeout", extproc.DefaultDecisionTimeout, "request headers -> decision deadline (503 decision_timeout beyond); never applies to the response")
 	fs.DurationVar(&o.StreamHeaderTimeout, "stream-header-timeout", extproc.DefaultStreamHeaderTimeout, "ext_proc stream open -> request headers deadline; a stream that sends none is closed (DEADLINE_EXCEEDED) and never holds a --max-inflight slot (0 = the default)")
 	fs.DurationVar(&o.StreamIdleTimeout, "stream-idle-timeout", extproc.DefaultStreamIdleTimeout, "a decided ext_proc stream that receives no message for this long is closed cleanly and its decision released (abandoned); every response chunk resets it; 0 = off")
@@ -327,6 +330,9 @@ func (o *ServeOptions) applyFlags(c *FileConfig) error {
 	}
 	if v, ok := o.set["decision-log-format"]; ok {
 		c.DecisionLog.Format = v
+	}
+	if _, ok := o.set["pd-threshold-tokens"]; ok {
+		c.PD.ThresholdTokens = o.PDThresholdTokens
 	}
 	if _, ok := o.set["tokenizer-timeout"]; ok {
 		c.Tokenizer.TimeoutSecs = o.TokenizerTimeout.Seconds()

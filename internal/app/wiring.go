@@ -18,6 +18,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/decisionlog"
+	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
 	"github.com/kvbandit/kvbandit/routing/policy/thompson"
@@ -156,8 +157,13 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 		parts.close()
 		return nil, err
 	}
+	disagg, err := pd.New(cfg.PD)
+	if err != nil {
+		parts.close()
+		return nil, err
+	}
 	engine, err := routing.NewEngine(pol, opts, routing.Deps{
-		Logger: log, Rand: rnd, Clock: clk, Gate: gate,
+		Logger: log, Rand: rnd, Clock: clk, Gate: gate, PD: disagg,
 		OnDecision: func(req *routing.Request, d *routing.Decision) {
 			rm.overlap.Observe(float64(d.Overlap))
 			if d.Session != routing.SessionUntracked {

@@ -17,6 +17,7 @@ import (
 const (
 	ReasonMalformed     = "malformed"      // not a JSON object of the record schema
 	ReasonUnknownEngine = "unknown_engine" // engine other than vllm or sglang
+	ReasonUnknownRole   = "unknown_role"   // role other than prefill, decode, both, prefill-decode
 	ReasonInvalid       = "invalid"        // address or numbers out of range
 	ReasonDuplicate     = "duplicate"      // a second record for the same address
 )
@@ -37,7 +38,7 @@ func (e *RecordError) Unwrap() error { return e.Err }
 // DecodeRecord parses one endpoint record: a JSON object with the fields of
 // [routing.Endpoint] (address, models, adapters, engine, block_size,
 // max_num_batched_tokens, data_parallel_size, weight, labels, metrics_url,
-// kv_events, kv_events_bind, kv_events_replay). Unknown fields are ignored
+// kv_events, kv_events_bind, kv_events_replay, role). Unknown fields are ignored
 // so that newer writers do not break older readers. The address is
 // canonicalised. Errors are *RecordError.
 func DecodeRecord(data []byte) (routing.Endpoint, error) {
@@ -46,6 +47,9 @@ func DecodeRecord(data []byte) (routing.Endpoint, error) {
 	}
 	var ep routing.Endpoint
 	if err := json.Unmarshal(data, &ep); err != nil {
+		if errors.Is(err, routing.ErrUnknownRole) {
+			return routing.Endpoint{}, &RecordError{ReasonUnknownRole, err}
+		}
 		return routing.Endpoint{}, &RecordError{ReasonMalformed, err}
 	}
 	return ep, CheckRecord(&ep)

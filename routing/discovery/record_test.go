@@ -92,3 +92,28 @@ func TestRecordsAcceptHostNames(t *testing.T) {
 		t.Errorf("routing accepted a host name: %v", err)
 	}
 }
+
+func TestRecordRole(t *testing.T) {
+	for rec, want := range map[string]routing.Role{
+		`{"address":"10.0.0.1:8000"}`:                         routing.RoleBoth,
+		`{"address":"10.0.0.1:8000","role":"prefill"}`:        routing.RolePrefill,
+		`{"address":"10.0.0.1:8000","role":"DECODE"}`:         routing.RoleDecode,
+		`{"address":"10.0.0.1:8000","role":"prefill-decode"}`: routing.RoleBoth,
+		`{"address":"10.0.0.1:8000","role":"both"}`:           routing.RoleBoth,
+	} {
+		ep, err := discovery.DecodeRecord([]byte(rec))
+		if err != nil || ep.Role != want {
+			t.Errorf("%s: role %v, err %v; want %v", rec, ep.Role, err, want)
+		}
+	}
+	for _, rec := range []string{`{"address":"10.0.0.1:8000","role":"encode"}`, `{"address":"10.0.0.1:8000","role":1}`} {
+		_, err := discovery.DecodeRecord([]byte(rec))
+		if err == nil {
+			t.Errorf("%s: accepted", rec)
+		}
+	}
+	_, err := discovery.DecodeRecord([]byte(`{"address":"10.0.0.1:8000","role":"encode"}`))
+	if discovery.SkipReason(err) != discovery.ReasonUnknownRole || !errors.Is(err, routing.ErrUnknownRole) {
+		t.Errorf("unknown role: reason %q, err %v", discovery.SkipReason(err), err)
+	}
+}

@@ -247,10 +247,10 @@ func TestEtcdInitialListWatchPutDelete(t *testing.T) {
 	put(t, cli, pfx+"c", rec("10.0.0.3:8000"))
 	waitFor(t, 5*time.Second, "put seen", func() bool { return len(sink.lastAddrs()) == 3 })
 
-	put(t, cli, pfx+"c", `{"address":"10.0.0.3:8000","engine":"sglang","block_size":32}`)
+	put(t, cli, pfx+"c", `{"address":"10.0.0.3:8000","engine":"sglang","block_size":32,"role":"prefill"}`)
 	waitFor(t, 5*time.Second, "update seen", func() bool {
 		set, _ := sink.last()
-		return len(set.Endpoints) == 3 && set.Endpoints[2].Engine == "sglang" && set.Endpoints[2].BlockSize == 32
+		return len(set.Endpoints) == 3 && set.Endpoints[2].Engine == "sglang" && set.Endpoints[2].BlockSize == 32 && set.Endpoints[2].Role == routing.RolePrefill
 	})
 
 	del(t, cli, pfx+"a")
@@ -315,6 +315,7 @@ func TestEtcdSkipsBadRecords(t *testing.T) {
 	put(t, cli, pfx+"engine", `{"address":"10.0.0.3:8000","engine":"tgi"}`)
 	put(t, cli, pfx+"invalid", `{"address":"10.0.0.4:8000","block_size":-1}`)
 	put(t, cli, pfx+"hostname", `{"address":"wor ker:8000"}`) // not a valid host name
+	put(t, cli, pfx+"role", `{"address":"10.0.0.6:8000","role":"encode"}`)
 
 	sink := newFakeSink()
 	startSource(t, newSource(t, cfg), sink)
@@ -322,7 +323,7 @@ func TestEtcdSkipsBadRecords(t *testing.T) {
 	if got := sink.lastAddrs(); !slices.Equal(got, []string{"10.0.0.1:8000"}) {
 		t.Fatalf("set = %v, want only the good record", got)
 	}
-	want := map[string]int{discovery.ReasonMalformed: 1, discovery.ReasonUnknownEngine: 1, discovery.ReasonInvalid: 2}
+	want := map[string]int{discovery.ReasonMalformed: 1, discovery.ReasonUnknownEngine: 1, discovery.ReasonInvalid: 2, discovery.ReasonUnknownRole: 1}
 	for reason, n := range want {
 		if got := sink.skips(reason); got != n {
 			t.Errorf("Skipped(%s) = %d, want %d", reason, got, n)

@@ -54,6 +54,9 @@
 //	                                    kvbandit connects (none: the
 //	                                    approximate prefix index)
 //	kvbandit.io/kv-events-replay-port   KV-events replay at tcp://podIP:port
+//	kvbandit.io/role                    prefill, decode, both or
+//	                                    prefill-decode; default: llm-d's
+//	                                    label llm-d.ai/role, else both
 //
 // With several target ports (data-parallel ranks, one port each), the i-th
 // target port (in spec order) gets kv-events-port+i and
@@ -61,7 +64,7 @@
 // endpoint's labels are the Pod's labels plus "kvbandit.io/pod"
 // (namespace/name).
 //
-// A Pod with a malformed value (engine "tgi", block size "abc", a port out
+// A Pod with a malformed value (engine "tgi", role "encode", block size "abc", a port out
 // of range) is left out with a warning log and counted once per Pod
 // version through [discovery.Sink.Skipped] with the reasons of
 // [discovery.CheckRecord]; the other Pods keep working. Two Pods with the

@@ -27,6 +27,12 @@ const (
 	AnnotationMetricsPort      = "kvbandit.io/metrics-port"
 	AnnotationKVEventsPort     = "kvbandit.io/kv-events-port"
 	AnnotationKVEventsReplay   = "kvbandit.io/kv-events-replay-port"
+	// AnnotationRole is the endpoint's prefill/decode role; it wins over
+	// LabelRole.
+	AnnotationRole = "kvbandit.io/role"
+	// LabelRole is llm-d's role label (prefill, decode, both or
+	// prefill-decode), used when AnnotationRole is absent.
+	LabelRole = "llm-d.ai/role"
 	// LabelModel is llm-d's model label, used when AnnotationModels is
 	// absent.
 	LabelModel = "llm-d.ai/model"
@@ -71,6 +77,9 @@ func podEndpoints(p *corev1.Pod, ports []int) ([]routing.Endpoint, error) {
 			return nil, &discovery.RecordError{Reason: discovery.ReasonUnknownEngine,
 				Err: fmt.Errorf("annotation %s=%q (want vllm or sglang)", AnnotationEngine, v)}
 		}
+	}
+	if base.Role, err = podRole(p); err != nil {
+		return nil, err
 	}
 	for _, f := range []struct {
 		key string
@@ -128,6 +137,21 @@ func podEndpoints(p *corev1.Pod, ports []int) ([]routing.Endpoint, error) {
 		eps = append(eps, ep)
 	}
 	return eps, nil
+}
+
+// podRole is the Pod's role: the annotation kvbandit.io/role, else llm-d's
+// label llm-d.ai/role, else both. An unknown value is a
+// *discovery.RecordError with reason unknown_role.
+func podRole(p *corev1.Pod) (routing.Role, error) {
+	key, v, ok := AnnotationRole, "", false
+	if v, ok = p.Annotations[AnnotationRole]; !ok {
+		key, v = LabelRole, p.Labels[LabelRole]
+	}
+	r, err := routing.ParseRole(v)
+	if err != nil {
+		return r, &discovery.RecordError{Reason: discovery.ReasonUnknownRole, Err: fmt.Errorf("%s: %w", key, err)}
+	}
+	return r, nil
 }
 
 // positive parses an optional annotation holding an integer in 1..max

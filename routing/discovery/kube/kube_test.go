@@ -383,6 +383,32 @@ func TestKube(t *testing.T) {
 		}
 	})
 
+	t.Run("Roles", func(t *testing.T) {
+		// llm-d's label, kvbandit's annotation (it wins over the label),
+		// neither (both), and an unknown value (left out, counted).
+		e := newEnv(t, c)
+		e.createPool(t, "p", sim, 8000)
+		e.pod(t, "prefill", "10.12.0.1", map[string]string{"app": "sim", kube.LabelRole: "prefill"}, nil)
+		e.pod(t, "decode", "10.12.0.2", map[string]string{"app": "sim", kube.LabelRole: "decode"}, nil)
+		e.pod(t, "pd", "10.12.0.3", map[string]string{"app": "sim", kube.LabelRole: "prefill-decode"}, nil)
+		e.pod(t, "ann-wins", "10.12.0.4", map[string]string{"app": "sim", kube.LabelRole: "decode"}, map[string]string{kube.AnnotationRole: "Prefill"})
+		e.pod(t, "plain", "10.12.0.5", sim, nil)
+		e.pod(t, "bad-role", "10.12.0.6", map[string]string{"app": "sim", kube.LabelRole: "encode"}, nil)
+		s := run(t, kube.Config{Namespace: e.ns, Pool: "p"}, admin)
+		set := s.waitFor(t, "10.12.0.1:8000", "10.12.0.2:8000", "10.12.0.3:8000", "10.12.0.4:8000", "10.12.0.5:8000")
+		got := map[routing.EndpointKey]string{}
+		for _, ep := range set.Endpoints {
+			got[ep.Key] = ep.Role.String()
+		}
+		want := map[routing.EndpointKey]string{"10.12.0.1:8000": "prefill", "10.12.0.2:8000": "decode", "10.12.0.3:8000": "both", "10.12.0.4:8000": "prefill", "10.12.0.5:8000": "both"}
+		if fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Fatalf("roles: got %v, want %v", got, want)
+		}
+		if _, _, sk := s.snapshot(); fmt.Sprint(sk) != fmt.Sprint(map[string]int{"kube/unknown_role": 1}) {
+			t.Fatalf("skipped: %v", sk)
+		}
+	})
+
 	t.Run("MalformedSkipped", func(t *testing.T) {
 		e := newEnv(t, c)
 		e.createPool(t, "p", sim, 8000)

@@ -49,7 +49,10 @@ type Policy struct {
 	cfg Config
 }
 
-var _ routing.Policy = (*Policy)(nil)
+var (
+	_ routing.Policy         = (*Policy)(nil)
+	_ routing.PrefillChooser = (*Policy)(nil)
+)
 
 // New returns the policy; cfg must be valid.
 func New(cfg Config) (*Policy, error) {
@@ -91,6 +94,20 @@ func (p *Policy) Choose(s *routing.Scoring, _ bool) (routing.Choice, error) {
 		ch.Ranked = Rank(costs, idx)
 	}
 	return ch, nil
+}
+
+// ChoosePrefill implements [routing.PrefillChooser]: the prefill half of
+// the cost, w·(active_prefill_tokens + max(ISL − overlap·B, 0))/B (a
+// prefill worker hands its blocks over after the first token, so held
+// blocks do not count). Scores are the costs.
+func (p *Policy) ChoosePrefill(s *routing.Scoring, _ bool) (routing.Choice, error) {
+	costs := make([]float64, len(s.Candidates))
+	b := float64(max(s.BlockSize, 1))
+	for i := range s.Candidates {
+		c := &s.Candidates[i]
+		costs[i] = p.cfg.OverlapScoreWeight * (float64(c.ActivePrefillTokens) + max(float64(s.ISL)-c.EffectiveOverlap(s.TierWeights)*float64(s.BlockSize), 0)) / b
+	}
+	return routing.Choice{Index: Select(costs, s.Candidates, p.cfg.Temperature, s.Rand), Scores: costs}, nil
 }
 
 // Select picks the index of the lowest cost. At temperature 0, exact ties

@@ -254,9 +254,10 @@ type Policy struct {
 }
 
 var (
-	_ routing.Policy       = (*Policy)(nil)
-	_ routing.OutcomeAware = (*Policy)(nil)
-	_ routing.Predictor    = (*Policy)(nil)
+	_ routing.Policy         = (*Policy)(nil)
+	_ routing.OutcomeAware   = (*Policy)(nil)
+	_ routing.Predictor      = (*Policy)(nil)
+	_ routing.PrefillChooser = (*Policy)(nil)
 )
 
 // New returns the policy. prefixes may be nil (no affinity, no outstanding
@@ -373,6 +374,29 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 	return ch, nil
 }
 
+// ChoosePrefill implements [routing.PrefillChooser]: the prefill
+// candidate with the lowest predicted time to first token, ŝ_w · T_w (the
+// prefill work ahead there plus the request's tokens it does not cache,
+// at its Thompson-sampled speed). Prefix affinity, announced work and the
+// impact on running sequences belong to the decode endpoint and do not
+// count. Scores are the sampled costs.
+func (p *Policy) ChoosePrefill(s *routing.Scoring, commit bool) (routing.Choice, error) {
+	rng := rand.New(s.Rand)
+	bs := max(s.BlockSize, 1)
+	costs := make([]float64, len(s.Candidates))
+	for i := range s.Candidates {
+		c := &s.Candidates[i]
+		costs[i] = p.model.Draw(c, rng, false) * p.model.Estimate(latency.FromCandidate(c, s.ISL, bs, s.TierWeights)).Total
+	}
+	idx := kv.Select(costs, s.Candidates, 0, s.Rand)
+	ch := routing.Choice{Index: idx, Scores: costs}
+	if commit {
+		c := &s.Candidates[idx]
+		ch.State = &decision{ep: c.Key(), rank: c.DPRank, feat: latency.FromCandidate(c, s.ISL, bs, s.TierWeights)}
+	}
+	return ch, nil
+}
+
 // Predict implements [routing.Predictor]: each candidate's predicted TTFT
 // and its parts at its speed factor's posterior mean.
 func (p *Policy) Predict(s *routing.Scoring) []routing.Prediction {
@@ -437,7 +461,22 @@ func (p *Policy) affinity(s Session, iat routing.Level) float64 {
 // no endpoint the policy knows. A success served by another endpoint of
 // the set is charged to the decision's endpoint and rank, whose load it
 // was measured against.
+//
+// A disaggregated decision's time to first token is the prefill
+// endpoint's (its prefill, then the KV transfer): it teaches the prefill
+// endpoint's speed factor and the pooled fit with the features recorded
+// when the prefill endpoint was chosen; the decode endpoint learns
+// nothing from it, and the decode time is not fed to the pooled decode
+// fit (it ran on another endpoint than those features describe).
 func (p *Policy) Done(d *routing.Decision, o routing.Outcome) {
+	if d.Prefill != "" {
+		st, ok := d.PrefillState().(*decision)
+		if !ok || o.ServedUnknown || o.Kind != routing.OutcomeSuccess || o.TTFT <= 0 {
+			return
+		}
+		p.model.Observe(latency.Observation{Endpoint: st.ep, DPRank: st.rank, Features: st.feat, TTFT: o.TTFT, At: d.At})
+		return
+	}
 	st, ok := d.PolicyState().(*decision)
 	if !ok || o.ServedUnknown || o.Kind != routing.OutcomeSuccess || o.TTFT <= 0 {
 		return
