@@ -185,6 +185,17 @@ func (d *Decision) Prefilled() {
 	}
 }
 
+// ReleasePrefill releases a disaggregated decision's prefill endpoint
+// without marking the prompt prefilled: the prefill stage failed and the
+// decode endpoint serves the request aggregated, prefilling it itself
+// (the standalone proxy's fallback). It does nothing when the decision is
+// aggregated or the hold is already released.
+func (d *Decision) ReleasePrefill() {
+	if d != nil {
+		d.pre.release()
+	}
+}
+
 // Done reports the request's outcome. The first call releases the
 // decision's load accounting and feeds the policy; later calls do nothing
 // and return false.

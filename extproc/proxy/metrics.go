@@ -18,6 +18,9 @@ type metrics struct {
 	inferenceObjectives *prometheus.CounterVec
 	tokenizerFallbacks  *prometheus.CounterVec
 	tokensRouted        prometheus.Counter
+	// pdFallbacks: direct-mode prefill stages that failed, the request
+	// then served aggregated, by reason.
+	pdFallbacks *prometheus.CounterVec
 }
 
 // pathRoute is the label of /v1/route; the other path classes are the
@@ -54,8 +57,12 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 			Name: "kvbandit_proxy_prompt_tokens_routed_total",
 			Help: "Prompt tokens of proxied requests as kvbandit tokenized or estimated them.",
 		}),
+		pdFallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbandit_proxy_pd_fallbacks_total",
+			Help: "Disaggregated requests whose prefill stage the proxy ran (--pd-proxy-mode direct) and that failed, then served aggregated on the decode endpoint, by reason: connect, timeout, status, too_large, bad_json, no_kv_transfer_params, bad_request_body, buffer_budget.",
+		}, []string{"reason"}),
 	}
-	reg.MustRegister(m.upstreamErrors, m.hintProblems, m.inferenceObjectives, m.tokenizerFallbacks, m.tokensRouted,
+	reg.MustRegister(m.pdFallbacks, m.upstreamErrors, m.hintProblems, m.inferenceObjectives, m.tokenizerFallbacks, m.tokensRouted,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvbandit_proxy_requests_inflight",
 			Help: "Requests the standalone proxy is handling.",

@@ -91,6 +91,16 @@ type Config struct {
 	// long a worker's answer is reused (0: DefaultModelsCacheTTL) and how
 	// long one worker is waited for (0: DefaultModelsTimeout).
 	ModelsCacheTTL, ModelsTimeout time.Duration
+	// PDMode says who runs a disaggregated request's prefill stage: the
+	// decode worker's sidecar ("" or PDModeSidecar) or the proxy
+	// (PDModeDirect).
+	PDMode PDMode
+	// PrefillTimeout bounds the direct mode's prefill stage (0:
+	// DefaultPrefillTimeout); MaxPrefillResponseBytes bounds the prefill
+	// worker's answer (0: the larger of 1 MiB and MaxBodyBytes). Beyond
+	// either the request is served aggregated.
+	PrefillTimeout          time.Duration
+	MaxPrefillResponseBytes int64
 }
 
 func (c *Config) defaults() {
@@ -111,6 +121,15 @@ func (c *Config) defaults() {
 	}
 	if c.TokenizerTimeout <= 0 {
 		c.TokenizerTimeout = extproc.DefaultTokenizerTimeout
+	}
+	if c.PDMode == "" {
+		c.PDMode = PDModeSidecar
+	}
+	if c.PrefillTimeout <= 0 {
+		c.PrefillTimeout = DefaultPrefillTimeout
+	}
+	if c.MaxPrefillResponseBytes <= 0 {
+		c.MaxPrefillResponseBytes = max(minPrefillResponseBytes, c.MaxBodyBytes)
 	}
 }
 
@@ -432,6 +451,20 @@ func (rb *reqBody) release() {
 	rb.held, rb.b, rb.released = 0, nil, true
 }
 
+// replace swaps the body for b (the direct P/D mode's decode stage body),
+// charging b to the budget; false, body unchanged, when the budget has no
+// room for it.
+func (rb *reqBody) replace(b []byte) bool {
+	rb.mu.Lock()
+	defer rb.mu.Unlock()
+	if rb.released || !rb.budget.Take(int64(len(b))) {
+		return false
+	}
+	rb.budget.Release(rb.held)
+	rb.b, rb.held = b, int64(len(b))
+	return true
+}
+
 var errBodyReleased = errors.New("proxy: request body already released")
 
 // upstreamBody is the request body as sent to a worker. It forgets the
@@ -662,19 +695,32 @@ func (x *exchange) run(w http.ResponseWriter, r *http.Request, target string, bo
 		x.reply = p.reply(w, err)
 		return
 	}
-	if b := body.bytes(); len(b) > 0 {
-		up.Body, _ = body.open()
-		up.GetBody, up.ContentLength = body.open, int64(len(b))
-	}
 	up.Header = outboundHeader(r)
 	up.Header.Set(extproc.HeaderDestination, ep)
 	if d.DPRank >= 0 {
 		up.Header.Set(extproc.HeaderDPRank, strconv.Itoa(d.DPRank))
 	}
-	if d.Prefill != "" {
+	switch {
+	case d.Prefill == "":
+	case p.cfg.PDMode == PDModeDirect:
+		// Disaggregated, no sidecar: the proxy runs the prefill stage
+		// and rewrites the body for the decode stage.
+		if !x.direct(r, target, body, up) {
+			body.release()
+			x.end(x.cancelKind())
+			if x.cancelKind() == routing.OutcomeAbandoned {
+				x.reply = p.reply(w, context.Cause(x.ctx))
+			}
+			return
+		}
+	default:
 		// Disaggregated: the decode worker's P/D sidecar runs the
-		// prefill stage on this endpoint (the proxy does not).
+		// prefill stage on this endpoint.
 		up.Header.Set(extproc.HeaderPrefiller, string(d.Prefill))
+	}
+	if b := body.bytes(); len(b) > 0 {
+		up.Body, _ = body.open()
+		up.GetBody, up.ContentLength = body.open, int64(len(b))
 	}
 	x.up = x.span.StartUpstream(up, ep)
 	resp, err := p.rt.RoundTrip(up)
