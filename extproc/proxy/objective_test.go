@@ -55,6 +55,13 @@ func TestProxyInferenceObjective(t *testing.T) {
 
 func counterValue(t *testing.T, reg *prometheus.Registry, name, result string) float64 {
 	t.Helper()
+	return labelledCounter(t, reg, name, "result", result)
+}
+
+// labelledCounter is the value of counter name where label is value (0
+// when absent).
+func labelledCounter(t *testing.T, reg *prometheus.Registry, name, label, value string) float64 {
+	t.Helper()
 	mfs, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)
@@ -65,7 +72,7 @@ func counterValue(t *testing.T, reg *prometheus.Registry, name, result string) f
 		}
 		for _, m := range mf.GetMetric() {
 			for _, l := range m.GetLabel() {
-				if l.GetName() == "result" && l.GetValue() == result {
+				if l.GetName() == label && l.GetValue() == value {
 					return m.GetCounter().GetValue()
 				}
 			}
