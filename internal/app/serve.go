@@ -73,6 +73,8 @@ type ServeOptions struct {
 	MaxBufferedBytes   int64
 	Fallbacks          int
 	PDThresholdTokens  int
+	PDProxyMode        string
+	PDPrefillTimeout   time.Duration
 	DecisionTimeout    time.Duration
 	DrainTimeout       time.Duration
 	StopGrace          time.Duration
@@ -146,6 +148,8 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.Int64Var(&o.MaxBufferedBytes, "max-buffered-bytes", 0, "request body bytes buffered at once by the ext_proc streams and the --http-addr proxy together (503 server_busy beyond); 0 = max(4 x max-body-bytes, 256 MiB)")
 	fs.IntVar(&o.Fallbacks, "fallbacks", 0, "extra endpoints appended to the destination list; keep 0 with ORIGINAL_DST data planes")
 	fs.IntVar(&o.PDThresholdTokens, "pd-threshold-tokens", pd.DefaultThresholdTokens, "P/D pools (endpoints with role prefill): prompts with fewer uncached tokens on the chosen decode endpoint stay aggregated (config pd.threshold_tokens; 0 disaggregates every prompt)")
+	fs.StringVar(&o.PDProxyMode, "pd-proxy-mode", string(proxy.PDModeSidecar), "P/D with --http-addr: sidecar (send x-prefiller-host-port; llm-d's pd-sidecar in front of each decode worker runs the prefill stage) | direct (the proxy runs the prefill stage itself, for decode workers without a sidecar; a failed prefill stage is served aggregated)")
+	fs.DurationVar(&o.PDPrefillTimeout, "pd-prefill-timeout", proxy.DefaultPrefillTimeout, "--pd-proxy-mode direct: bound on the prefill stage; beyond it the request is served aggregated")
 	fs.DurationVar(&o.DecisionTimeout, "decision-timeout", extproc.DefaultDecisionTimeout, "request headers -> decision deadline (503 decision_timeout beyond); never applies to the response")
 	fs.DurationVar(&o.StreamHeaderTimeout, "stream-header-timeout", extproc.DefaultStreamHeaderTimeout, "ext_proc stream open -> request headers deadline; a stream that sends none is closed (DEADLINE_EXCEEDED) and never holds a --max-inflight slot (0 = the default)")
 	fs.DurationVar(&o.StreamIdleTimeout, "stream-idle-timeout", extproc.DefaultStreamIdleTimeout, "a decided ext_proc stream that receives no message for this long is closed cleanly and its decision released (abandoned); every response chunk resets it; 0 = off")
@@ -502,7 +506,13 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 	}, extproc.Deps{Picker: engine, Tokenizer: tok, Logger: log, Registry: reg, Budget: budget, Objectives: prios, Tracer: tracer})
 	var px *proxy.Proxy
 	if ls.HTTP != nil || o.HTTPAddr != "" {
+		pdMode, err := proxy.ParsePDMode(o.PDProxyMode)
+		if err != nil {
+			return err
+		}
 		px = proxy.New(proxy.Config{
+			PDMode:           pdMode,
+			PrefillTimeout:   o.PDPrefillTimeout,
 			MaxBodyBytes:     o.MaxBodyBytes,
 			MaxInflight:      o.MaxInflight,
 			DecisionTimeout:  o.DecisionTimeout,
