@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -192,15 +191,6 @@ func TestProxyPDDirectTwoStages(t *testing.T) {
 // with its own body; the failure is counted by reason, the decision ends
 // once and in-flight returns to 0 on both roles.
 func TestProxyPDDirectFallback(t *testing.T) {
-	refused := func() string {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		addr := l.Addr().String()
-		l.Close()
-		return addr
-	}
 	cases := []struct {
 		name, reason string
 		answer       http.HandlerFunc
@@ -232,7 +222,7 @@ func TestProxyPDDirectFallback(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			addr := refused()
+			addr := closedAddr(t)
 			if !c.dead {
 				addr = newPrefillWorker(t, c.answer).addr()
 			}
