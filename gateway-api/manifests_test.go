@@ -12,6 +12,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"github.com/kvbandit/kvbandit/routing"
 	"io"
 	"net"
 	"os"
@@ -614,6 +615,40 @@ func checkExamples(t *testing.T, objs []object) {
 			}
 			if ann["kvbandit.io/kv-events-port"] != "5557" || ann["kvbandit.io/kv-events-replay-port"] != "5558" {
 				t.Errorf("vLLM kv-events annotations do not match --kv-events-config: %v", ann)
+			}
+		}
+	}
+	checkPDExample(t, objs, sel)
+}
+
+// checkPDExample: the P/D example's Pods are in the pool (its selector's
+// labels), carry llm-d's role label with a value routing.ParseRole takes,
+// and the decode Pods put the pd-sidecar on the pool's target port in front
+// of their vLLM.
+func checkPDExample(t *testing.T, objs []object, sel string) {
+	t.Helper()
+	for _, tc := range []struct{ name, role string }{{"vllm-qwen3-prefill", "prefill"}, {"vllm-qwen3-decode", "decode"}} {
+		d := find(objs, "Deployment", tc.name)
+		if d == nil {
+			t.Errorf("no example Deployment %s", tc.name)
+			continue
+		}
+		labels, _ := d.get("spec", "template", "metadata", "labels").(map[string]any)
+		if fmt.Sprint(map[string]any{"app": labels["app"]}) != sel {
+			t.Errorf("%s: pod labels %v are not in the pool %s", tc.name, labels, sel)
+		}
+		if r, err := routing.ParseRole(fmt.Sprint(labels["llm-d.ai/role"])); err != nil || r.String() != tc.role {
+			t.Errorf("%s: llm-d.ai/role %v parses as %v, %v; want %s", tc.name, labels["llm-d.ai/role"], r, err, tc.role)
+		}
+		args := fmt.Sprint(d.get("spec", "template", "spec", "containers"))
+		if !strings.Contains(args, `{"kv_connector":"NixlConnector","kv_role":"kv_both"}`) {
+			t.Errorf("%s: vLLM has no NIXL KV transfer config", tc.name)
+		}
+		if tc.role == "decode" {
+			for _, want := range []string{"--port=8000", "--vllm-port=8200", "--connector=nixlv2", "--port=8200"} {
+				if !strings.Contains(args, want) {
+					t.Errorf("%s: containers lack %s", tc.name, want)
+				}
 			}
 		}
 	}
