@@ -415,15 +415,15 @@ type benchReport struct {
 	SyncDelaySec float64 `json:"sync_delay_s,omitempty"`
 	// CPUBlocks and CPUReloadTokensSec are --cpu-blocks and
 	// --cpu-reload-bandwidth, with a CPU tier only.
-	CPUBlocks          int             `json:"cpu_blocks_per_worker,omitempty"`
-	CPUReloadTokensSec float64         `json:"cpu_reload_tokens_per_s,omitempty"`
+	CPUBlocks          int     `json:"cpu_blocks_per_worker,omitempty"`
+	CPUReloadTokensSec float64 `json:"cpu_reload_tokens_per_s,omitempty"`
 	// PrefillWorkers and the rest are --prefill-workers and its flags,
 	// with P/D only.
-	PrefillWorkers     int     `json:"prefill_workers,omitempty"`
-	PDThresholdTokens  int     `json:"pd_threshold_tokens,omitempty"`
-	TransferLatencySec float64 `json:"kv_transfer_latency_s,omitempty"`
-	TransferGBps       float64 `json:"kv_transfer_gb_per_s,omitempty"`
-	KVBytesPerToken    int     `json:"kv_bytes_per_token,omitempty"`
+	PrefillWorkers     int             `json:"prefill_workers,omitempty"`
+	PDThresholdTokens  int             `json:"pd_threshold_tokens,omitempty"`
+	TransferLatencySec float64         `json:"kv_transfer_latency_s,omitempty"`
+	TransferGBps       float64         `json:"kv_transfer_gb_per_s,omitempty"`
+	KVBytesPerToken    int             `json:"kv_bytes_per_token,omitempty"`
 	Bounds             benchBounds     `json:"bounds"`
 	Policies           []policySummary `json:"policies"`
 }
@@ -437,21 +437,21 @@ type benchBounds struct {
 
 // policySummary is one policy's row; durations are in seconds.
 type policySummary struct {
-	Policy          string  `json:"policy"`
-	Served          int     `json:"served"`
-	Failed          int     `json:"failed"`
-	TTFTP50         float64 `json:"ttft_p50_s"`
-	TTFTP90         float64 `json:"ttft_p90_s"`
-	TTFTP99         float64 `json:"ttft_p99_s"`
-	E2EP50          float64 `json:"e2e_p50_s"`
-	E2EP99          float64 `json:"e2e_p99_s"`
+	Policy  string  `json:"policy"`
+	Served  int     `json:"served"`
+	Failed  int     `json:"failed"`
+	TTFTP50 float64 `json:"ttft_p50_s"`
+	TTFTP90 float64 `json:"ttft_p90_s"`
+	TTFTP99 float64 `json:"ttft_p99_s"`
+	E2EP50  float64 `json:"e2e_p50_s"`
+	E2EP99  float64 `json:"e2e_p99_s"`
 	// ITLP50 and ITLP90 are percentiles of the requests' mean inter-token
 	// latency (requests with more than one output token).
 	ITLP50 float64 `json:"itl_p50_s"`
 	ITLP90 float64 `json:"itl_p90_s"`
 	// Disaggregated is the share of served requests whose prefill ran on
 	// a prefill worker.
-	Disaggregated float64 `json:"disaggregated,omitempty"`
+	Disaggregated   float64 `json:"disaggregated,omitempty"`
 	OutputTokensSec float64 `json:"output_tokens_per_s"`
 	HitRate         float64 `json:"kv_hit_rate"`
 	// CPUHitRate is the part of HitRate loaded back from a CPU tier.
