@@ -55,6 +55,7 @@ type benchOptions struct {
 	objective                                         objectiveOptions
 	speedSchedule                                     string
 	tier                                              benchTier
+	pd                                                benchPD
 }
 
 func (o *benchOptions) addFlags(fs *flag.FlagSet) {
@@ -83,6 +84,7 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.scrapeInterval, "scrape-interval", 0, "how often the workers' load reaches the engines (serve scrapes every 1s); 0: after every change")
 	o.objective.addFlags(fs)
 	o.tier.addFlags(fs)
+	o.pd.addFlags(fs)
 	a := &o.agentic
 	fs.IntVar(&a.Sessions, "sessions", 800, "agentic: number of sessions")
 	fs.Float64Var(&a.SessionRate, "session-rate", 8, "agentic: session arrivals per second (Poisson)")
@@ -131,6 +133,9 @@ func (o *benchOptions) validate() ([]float64, error) {
 		return nil, err
 	}
 	if err := o.tier.validate(); err != nil {
+		return nil, err
+	}
+	if err := o.pd.validate(o.workers); err != nil {
 		return nil, err
 	}
 	speeds := make([]float64, o.workers)
@@ -210,15 +215,22 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		rep.Replicas, rep.Sync, rep.SyncDelaySec = o.replicas, o.sync, o.syncDelay.Seconds()
 	}
 	o.tier.report(&rep)
+	o.pd.report(&rep)
 	// What is replayed is known now: say it before the run.
 	rep.printHeader(stdout)
 	logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	sync, _ := sim.ParseSync(o.sync) // checked by validate
-	prog := newBenchProgress(stderr, o.quiet, o.progress, names, len(reqs), nil)
+	runs := o.pd.runs(names, o.workers)
+	labels := make([]string, len(runs))
+	for i, r := range runs {
+		labels[i] = r.label
+	}
+	prog := newBenchProgress(stderr, o.quiet, o.progress, labels, len(reqs), nil)
 	prog.start()
-	results, err := runPolicies(ctx, names, func(i int, name string) sim.Config {
+	results, err := runPolicies(ctx, labels, func(i int, _ string) sim.Config {
 		return sim.Config{
-			Workers: workers, Policy: name, Policies: policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger,
+			Roles: runs[i].roles, PD: runs[i].pd, Transfer: o.pd.transfer(),
+			Workers: workers, Policy: runs[i].policy, Policies: policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger,
 			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrapeInterval, TierWeights: tierWeights,
 			SLO:      slo.Config{Headroom: o.objective.headroom, Off: o.objective.off},
 			Schedule: schedule,
@@ -229,8 +241,11 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
-	for _, r := range results {
-		rep.Policies = append(rep.Policies, summarize(r, reqs, bounds))
+	for i, r := range results {
+		r.Policy = labels[i]
+		s := summarize(r, reqs, bounds)
+		summarizePD(&s, r)
+		rep.Policies = append(rep.Policies, s)
 	}
 	rep.printTable(stdout)
 	if o.jsonOut != "" {
@@ -400,8 +415,15 @@ type benchReport struct {
 	SyncDelaySec float64 `json:"sync_delay_s,omitempty"`
 	// CPUBlocks and CPUReloadTokensSec are --cpu-blocks and
 	// --cpu-reload-bandwidth, with a CPU tier only.
-	CPUBlocks          int             `json:"cpu_blocks_per_worker,omitempty"`
-	CPUReloadTokensSec float64         `json:"cpu_reload_tokens_per_s,omitempty"`
+	CPUBlocks          int     `json:"cpu_blocks_per_worker,omitempty"`
+	CPUReloadTokensSec float64 `json:"cpu_reload_tokens_per_s,omitempty"`
+	// PrefillWorkers and the rest are --prefill-workers and its flags,
+	// with P/D only.
+	PrefillWorkers     int             `json:"prefill_workers,omitempty"`
+	PDThresholdTokens  int             `json:"pd_threshold_tokens,omitempty"`
+	TransferLatencySec float64         `json:"kv_transfer_latency_s,omitempty"`
+	TransferGBps       float64         `json:"kv_transfer_gb_per_s,omitempty"`
+	KVBytesPerToken    int             `json:"kv_bytes_per_token,omitempty"`
 	Bounds             benchBounds     `json:"bounds"`
 	Policies           []policySummary `json:"policies"`
 }
@@ -415,14 +437,21 @@ type benchBounds struct {
 
 // policySummary is one policy's row; durations are in seconds.
 type policySummary struct {
-	Policy          string  `json:"policy"`
-	Served          int     `json:"served"`
-	Failed          int     `json:"failed"`
-	TTFTP50         float64 `json:"ttft_p50_s"`
-	TTFTP90         float64 `json:"ttft_p90_s"`
-	TTFTP99         float64 `json:"ttft_p99_s"`
-	E2EP50          float64 `json:"e2e_p50_s"`
-	E2EP99          float64 `json:"e2e_p99_s"`
+	Policy  string  `json:"policy"`
+	Served  int     `json:"served"`
+	Failed  int     `json:"failed"`
+	TTFTP50 float64 `json:"ttft_p50_s"`
+	TTFTP90 float64 `json:"ttft_p90_s"`
+	TTFTP99 float64 `json:"ttft_p99_s"`
+	E2EP50  float64 `json:"e2e_p50_s"`
+	E2EP99  float64 `json:"e2e_p99_s"`
+	// ITLP50 and ITLP90 are percentiles of the requests' mean inter-token
+	// latency (requests with more than one output token).
+	ITLP50 float64 `json:"itl_p50_s"`
+	ITLP90 float64 `json:"itl_p90_s"`
+	// Disaggregated is the share of served requests whose prefill ran on
+	// a prefill worker.
+	Disaggregated   float64 `json:"disaggregated,omitempty"`
 	OutputTokensSec float64 `json:"output_tokens_per_s"`
 	HitRate         float64 `json:"kv_hit_rate"`
 	// CPUHitRate is the part of HitRate loaded back from a CPU tier.
@@ -562,6 +591,7 @@ func (rep *benchReport) printHeader(w io.Writer) {
 		fmt.Fprintf(w, "load scraped every %v\n", time.Duration(rep.ScrapeIntervalSec*float64(time.Second)))
 	}
 	fmt.Fprint(w, rep.tierLine())
+	fmt.Fprint(w, rep.pdLine())
 	fmt.Fprintf(w, "KV hit-rate bounds: infinite cache %.1f%%, finite cache (one LRU of %d tokens) %.1f%%\n\n",
 		100*rep.Bounds.Infinite, rep.Bounds.FiniteCapacityTokens, 100*rep.Bounds.Finite)
 }
@@ -592,6 +622,10 @@ func (rep *benchReport) printTable(w io.Writer) {
 	if predicts {
 		head += "pred err\t"
 	}
+	pdRows := rep.PrefillWorkers > 0
+	if pdRows {
+		head += "ITL p50\tp90\tdisagg\t"
+	}
 	fmt.Fprintln(tw, head)
 	for _, p := range rep.Policies {
 		line := fmt.Sprintf("%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t%.1f%%\t%.0f%%\t%.2f\t%.0f\t%d\t",
@@ -611,6 +645,9 @@ func (rep *benchReport) printTable(w io.Writer) {
 		}
 		if predicts {
 			line += fmtPredErr(p)
+		}
+		if pdRows {
+			line += fmt.Sprintf("%.1fms\t%.1fms\t%.0f%%\t", 1000*p.ITLP50, 1000*p.ITLP90, 100*p.Disaggregated)
 		}
 		fmt.Fprintln(tw, line)
 	}

@@ -36,4 +36,20 @@
 // routing/sync: each decision's start, first token, end and outcome are
 // applied on every other replica Config.SyncDelay later. One replica is
 // exactly the run without replicas.
+//
+// # Prefill/decode disaggregation
+//
+// With Config.Roles (prefill, decode or both per worker) and Config.PD the
+// engines decide P/D as serve's do (routing/pd). A request disaggregated
+// to prefill worker P and decode worker D runs as llm-d's sidecar makes
+// it: its prefill leg is queued on P with one output token (P's batch and
+// chunked prefill, its cache keeps the prompt's blocks and publishes KV
+// events); when it ends, the prompt's blocks that D's cache does not hold
+// are sent to D in Config.Transfer's time (a latency per transfer plus
+// bytes over bandwidth); the decode leg is then queued on D, whose cache
+// takes the blocks as computed ones (and publishes them), and its first
+// decode step gives the first token: TTFT = prefill on P + transfer +
+// first step on D. The decision's Prefilled is called at that token, as
+// the response path does, releasing P's load. Every request records its
+// mean inter-token latency (ReqResult.ITL).
 package sim

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
 	"github.com/kvbandit/kvbandit/routing/slo"
@@ -145,6 +146,14 @@ func (s *simulation) newReplica(cfg *Config, i, blockSize int) (*replica, error)
 		return nil, fmt.Errorf("sim: %w", err)
 	}
 	deps := routing.Deps{Logger: s.log, Clock: s.vc, Rand: rnd, Gate: gate}
+	if cfg.PD != nil {
+		dis, err := pd.New(*cfg.PD)
+		if err != nil {
+			r.shut()
+			return nil, fmt.Errorf("sim: %w", err)
+		}
+		deps.PD = dis
+	}
 	if cfg.Sync == SyncNATS && max(cfg.Replicas, 1) > 1 {
 		r.remote = make(map[uint64][]*routing.RemoteDecision)
 		deps.OnDecision = func(_ *routing.Request, d *routing.Decision) { s.shareStart(r, d) }

@@ -14,6 +14,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
+	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/slo"
 )
@@ -101,6 +102,21 @@ type Config struct {
 	// requests whose Hints carry a TTFTObjective; the zero value takes
 	// its defaults.
 	SLO slo.Config
+	// Roles gives each worker its role (nil: all RoleBoth; otherwise one
+	// per worker). With prefill-role workers and PD set, the engines
+	// disaggregate (see the package doc, "Prefill/decode
+	// disaggregation").
+	Roles []routing.Role
+	// PD is the engines' disaggregation config (nil: none, every request
+	// aggregated whatever the roles).
+	PD *pd.Config
+	// Transfer prices the KV transfer from a prefill worker to a decode
+	// worker; zero fields take the defaults.
+	Transfer Transfer
+	// observe, when set (tests), is called at the P/D steps of a request:
+	// "handoff" (its prefill leg ended), "land" (its KV transfer ended)
+	// and "first" (its first token reached the response path).
+	observe func(s *simulation, a *active, step string)
 	// Progress, when set, is called on Run's goroutine with the number of
 	// requests routed so far, every ProgressEvery arrivals and after the
 	// last one. It must return quickly.
@@ -124,7 +140,17 @@ type ReqResult struct {
 	// CPUCachedTokens are the CachedTokens loaded back from the worker's
 	// CPU tier.
 	CPUCachedTokens int
-	Err             string
+	// ITL is the mean inter-token latency, (E2E − TTFT)/(OutputTokens −
+	// 1); 0 with a single output token.
+	ITL time.Duration
+	// PrefillWorker is the worker that ran a disaggregated request's
+	// prefill (-1: aggregated on Worker; CachedTokens are then the
+	// prefill worker's), TransferBlocks the blocks sent to Worker and
+	// Transfer the transfer's time.
+	PrefillWorker  int
+	TransferBlocks int
+	Transfer       time.Duration
+	Err            string
 }
 
 // QueueSample is every worker's waiting and running requests at At.
@@ -286,6 +312,17 @@ func validate(cfg *Config, reqs []Request) ([]WorkerConfig, error) {
 	if err := validateReplicas(cfg); err != nil {
 		return nil, err
 	}
+	if cfg.Roles != nil && len(cfg.Roles) != len(wcs) {
+		return nil, fmt.Errorf("%w: %d roles for %d workers", ErrWorkerConfig, len(cfg.Roles), len(wcs))
+	}
+	if cfg.PD != nil {
+		if err := cfg.PD.Validate(); err != nil {
+			return nil, fmt.Errorf("sim: %w", err)
+		}
+	}
+	if err := cfg.Transfer.validate(); err != nil {
+		return nil, err
+	}
 	if cfg.RouterBlockSize < 0 {
 		return nil, fmt.Errorf("%w: negative RouterBlockSize %d", ErrWorkerConfig, cfg.RouterBlockSize)
 	}
@@ -364,6 +401,7 @@ func Run(ctx context.Context, cfg Config, reqs []Request) (*Result, error) {
 	}
 	s := &simulation{
 		ctx: ctx, vc: vc, reqs: reqs, log: log, syncDelay: cfg.SyncDelay, scrapeEvery: cfg.ScrapeInterval, progress: cfg.Progress,
+		transfer: cfg.Transfer.withDefaults(), observe: cfg.observe,
 		res: &Result{
 			Policy: cfg.Policy, Requests: make([]ReqResult, len(reqs)), Workers: make([]WorkerResult, len(wcs)),
 			Replicas: max(cfg.Replicas, 1), Entered: make([]int, max(cfg.Replicas, 1)),
@@ -384,7 +422,11 @@ func Run(ctx context.Context, cfg Config, reqs []Request) (*Result, error) {
 	set := routing.EndpointSet{Source: "sim"}
 	for i, wc := range wcs {
 		key := EndpointKey(i)
-		set.Endpoints = append(set.Endpoints, routing.Endpoint{Key: key, Engine: "vllm", BlockSize: rbs, MaxBatchedTokens: wc.MaxBatchedTokens})
+		ep := routing.Endpoint{Key: key, Engine: "vllm", BlockSize: rbs, MaxBatchedTokens: wc.MaxBatchedTokens}
+		if cfg.Roles != nil {
+			ep.Role = cfg.Roles[i]
+		}
+		set.Endpoints = append(set.Endpoints, ep)
 		w := newWorker(wc)
 		s.hook(w, key, cfg.KVEvents)
 		s.workers = append(s.workers, w)
@@ -441,6 +483,10 @@ type simulation struct {
 	res      *Result
 	// progress is Config.Progress.
 	progress func(arrived int)
+	// transfer is Config.Transfer with defaults.
+	transfer Transfer
+	// observe is Config.observe.
+	observe func(s *simulation, a *active, step string)
 }
 
 func (s *simulation) hook(w *worker, key routing.EndpointKey, events bool) {
@@ -455,24 +501,40 @@ func (s *simulation) hook(w *worker, key routing.EndpointKey, events bool) {
 			}
 		}
 	}
-	w.onFirst = func(a *active, _ time.Duration) { a.dec.Prefilled() }
+	w.onFirst = func(a *active, _ time.Duration) {
+		// A prefill leg's token goes back to the sidecar, not the client:
+		// the response path sees the decode worker's first token.
+		if !a.prefillOnly {
+			a.dec.Prefilled()
+			s.note(a, "first")
+		}
+	}
 	w.onFinish = s.finished
 }
 
 // finished reports a completed request to the engine and the result.
 func (s *simulation) finished(a *active, at time.Duration) {
 	rr := &s.res.Requests[a.idx]
+	if !a.transferred {
+		rr.CachedTokens = a.cached
+		rr.CPUCachedTokens = a.cpuCached
+	}
+	if a.prefillOnly {
+		s.handoff(a, at)
+		return
+	}
 	rr.TTFT = a.firstAt - a.req.Arrival
 	rr.E2E = at - a.req.Arrival
-	rr.CachedTokens = a.cached
-	rr.CPUCachedTokens = a.cpuCached
 	rr.OutputTokens = a.generated
+	if a.generated > 1 {
+		rr.ITL = (rr.E2E - rr.TTFT) / time.Duration(a.generated-1)
+	}
 	s.lastDone = max(s.lastDone, at)
 	s.open[a.idx] = nil
 	a.dec.Done(routing.Outcome{
 		Kind: routing.OutcomeSuccess, Served: a.dec.Endpoint, Status: 200,
 		TTFT: rr.TTFT, Latency: rr.E2E,
-		PromptTokens: a.prompt, CompletionTokens: a.generated, CachedTokens: a.cached,
+		PromptTokens: a.prompt, CompletionTokens: a.generated, CachedTokens: rr.CachedTokens,
 	})
 }
 
@@ -561,6 +623,10 @@ func (s *simulation) loop(schedule []Change) error {
 		switch t {
 		case tStep:
 			ev := s.events.pop()
+			if ev.worker == transferEvent {
+				s.land(int(ev.gen))
+				continue
+			}
 			w := s.workers[ev.worker]
 			if ev.gen != w.gen || !w.busy {
 				continue
@@ -607,16 +673,35 @@ func (s *simulation) arrive(i int) {
 		d.Done(routing.NoUsage(routing.OutcomeRejected))
 		return
 	}
-	rr.Worker = wi
+	rr.Worker, rr.PrefillWorker = wi, -1
 	w := s.workers[wi]
-	if !w.fits(r) {
-		rr.Err = fmt.Sprintf("request needs %d KV blocks, worker %d has %d", w.blocksFor(r), wi, w.cfg.KVBlocks)
-		d.Done(routing.Outcome{Kind: routing.OutcomeUpstreamError, Served: d.Endpoint, Status: 400, PromptTokens: -1, CompletionTokens: -1, CachedTokens: -1})
+	if !w.fits(r, false) {
+		s.refuse(rr, d, w.blocksFor(r, false), wi)
 		return
 	}
 	a := &active{idx: i, req: r, dec: d}
+	if d.Prefill != "" {
+		pi, ok := s.byKey[d.Prefill]
+		if !ok {
+			rr.Err = "route: unknown prefill endpoint " + string(d.Prefill)
+			d.Done(routing.NoUsage(routing.OutcomeRejected))
+			return
+		}
+		if !s.workers[pi].fits(r, true) {
+			s.refuse(rr, d, s.workers[pi].blocksFor(r, true), pi)
+			return
+		}
+		rr.PrefillWorker = pi
+		a.prefillOnly, a.decodeOn, wi, w = true, wi, pi, s.workers[pi]
+	}
 	s.open[i] = a
 	s.after(wi, w.enqueue(a, s.now))
+}
+
+// refuse fails a request that can never fit worker wi's KV cache.
+func (s *simulation) refuse(rr *ReqResult, d *routing.Decision, blocks, wi int) {
+	rr.Err = fmt.Sprintf("request needs %d KV blocks, worker %d has %d", blocks, wi, s.workers[wi].cfg.KVBlocks)
+	d.Done(routing.Outcome{Kind: routing.OutcomeUpstreamError, Served: d.Endpoint, Status: 400, PromptTokens: -1, CompletionTokens: -1, CachedTokens: -1})
 }
 
 func (s *simulation) sample(at time.Duration) {
@@ -638,9 +723,13 @@ func (s *simulation) abandon() {
 		}
 		rr := &s.res.Requests[i]
 		rr.Err = "not finished: worker stopped"
-		rr.CachedTokens, rr.OutputTokens = a.cached, a.generated
-		rr.CPUCachedTokens = a.cpuCached
-		if a.generated > 0 {
+		rr.OutputTokens = a.generated
+		if !a.transferred {
+			rr.CachedTokens, rr.CPUCachedTokens = a.cached, a.cpuCached
+		}
+		if a.prefillOnly {
+			rr.OutputTokens = 0 // its token never reached the client
+		} else if a.generated > 0 {
 			rr.TTFT = a.firstAt - a.req.Arrival
 		}
 		a.dec.Done(routing.Outcome{Kind: routing.OutcomeAbandoned, Served: a.dec.Endpoint, PromptTokens: -1, CompletionTokens: -1, CachedTokens: -1})

@@ -138,8 +138,8 @@ func (sw *Worker) Submit(now time.Duration, r *Request) (*Job, error) {
 		return nil, fmt.Errorf("%w: empty prompt", ErrInvalidRequest)
 	case r.OutputLen < 1:
 		return nil, fmt.Errorf("%w: output length %d < 1", ErrInvalidRequest, r.OutputLen)
-	case !sw.w.fits(r):
-		return nil, fmt.Errorf("%w: request needs %d KV blocks, the worker has %d", ErrInvalidRequest, sw.w.blocksFor(r), sw.w.cfg.KVBlocks)
+	case !sw.w.fits(r, false):
+		return nil, fmt.Errorf("%w: request needs %d KV blocks, the worker has %d", ErrInvalidRequest, sw.w.blocksFor(r, false), sw.w.cfg.KVBlocks)
 	}
 	sw.Advance(now)
 	j := &Job{a: active{req: r}}

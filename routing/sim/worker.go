@@ -47,6 +47,12 @@ type active struct {
 	cpuCached int // of which loaded back from the CPU tier
 	generated int
 	firstAt   time.Duration
+	// prefillOnly: the prefill leg of a disaggregated request (it stops
+	// after the first token); transferred: the decode leg, whose prompt's
+	// KV arrives from the prefill worker instead of being computed.
+	prefillOnly, transferred bool
+	// decodeOn is a prefill leg's decode worker.
+	decodeOn int
 	// Step plan: chunk is the prompt tokens prefilled in the current step;
 	// decoding says the request decodes in it.
 	chunk    int
@@ -121,13 +127,25 @@ func newWorker(cfg WorkerConfig) *worker {
 	return w
 }
 
-// blocksFor is the blocks a request reserves: its prompt and its output.
-func (w *worker) blocksFor(r *Request) int {
-	return (len(r.Tokens) + r.OutputLen + w.cfg.BlockSize - 1) / w.cfg.BlockSize
+// blocksFor is the blocks a request reserves: its prompt and its output
+// (one token for a prefill leg).
+func (w *worker) blocksFor(r *Request, prefillOnly bool) int {
+	out := r.OutputLen
+	if prefillOnly {
+		out = 1
+	}
+	return (len(r.Tokens) + out + w.cfg.BlockSize - 1) / w.cfg.BlockSize
 }
 
 // fits reports whether the request can ever run on this worker.
-func (w *worker) fits(r *Request) bool { return w.blocksFor(r) <= w.cfg.KVBlocks }
+func (w *worker) fits(r *Request, prefillOnly bool) bool {
+	return w.blocksFor(r, prefillOnly) <= w.cfg.KVBlocks
+}
+
+// done reports whether a has produced all it has to on this worker.
+func (a *active) done() bool {
+	return a.computed == a.prompt && (a.generated >= a.req.OutputLen || a.prefillOnly && a.generated > 0)
+}
 
 // enqueue adds a request that arrived at now. It returns whether the
 // worker's step end changed (the caller reschedules it).
@@ -206,7 +224,7 @@ func (w *worker) startStep(now time.Duration) bool {
 			a.decoding = true
 			budget--
 			decoders++
-			minLeft = min(minLeft, a.req.OutputLen-a.generated)
+			minLeft = min(minLeft, a.decodeLeft())
 		}
 	}
 	for len(w.waiting) > 0 && len(w.running) < w.cfg.MaxNumSeqs && budget > 0 {
@@ -221,6 +239,13 @@ func (w *worker) startStep(now time.Duration) bool {
 		a.chunk, a.decoding = n, false
 		budget -= n
 		newTokens += n
+		if a.transferred && n == 0 && budget > 0 {
+			// Its KV arrived whole: it decodes in this very step.
+			a.decoding = true
+			budget--
+			decoders++
+			minLeft = min(minLeft, a.decodeLeft())
+		}
 	}
 	if len(w.waiting) == 0 {
 		w.waiting = w.waiting[:0:0] // let the drained backing array go
@@ -248,6 +273,16 @@ func (w *worker) startStep(now time.Duration) bool {
 	return true
 }
 
+// decodeLeft is the decode steps a may run in one decode run: its output
+// left, and 1 before a transferred request's first token (so that its
+// first token is timed at the end of its first step).
+func (a *active) decodeLeft() int {
+	if a.generated == 0 {
+		return 1
+	}
+	return a.req.OutputLen - a.generated
+}
+
 // admit reserves the blocks of the waiting head: its cached prefix (as
 // vLLM, at most the prompt minus one token, rounded down to blocks) and
 // private blocks for the rest of the prompt and the output.
@@ -258,7 +293,7 @@ func (w *worker) admit(a *active) bool {
 	}
 	limit := (a.prompt - 1) / bs
 	hit := min(w.cache.prefix(a.keys), limit)
-	need := w.blocksFor(a.req) - hit
+	need := w.blocksFor(a.req, a.prefillOnly) - hit
 	if !w.cache.canAllocate(a.keys[:hit], need) {
 		return false
 	}
@@ -266,7 +301,10 @@ func (w *worker) admit(a *active) bool {
 	for _, k := range a.keys[:hit] {
 		a.slots = append(a.slots, w.cache.acquire(k))
 	}
-	cpuHit := w.cpuHits(a, hit, limit)
+	cpuHit := 0
+	if !a.transferred {
+		cpuHit = w.cpuHits(a, hit, limit)
+	}
 	w.cache.allocate(need)
 	a.anon = need
 	// Evictions are published before the reloaded blocks are stored: a
@@ -282,6 +320,13 @@ func (w *worker) admit(a *active) bool {
 	w.activeTokens += a.computed
 	w.stats.CachedTokens += a.cached
 	w.stats.CPUCachedTokens += a.cpuCached
+	if a.transferred {
+		// The rest of the prompt's KV came from the prefill worker: its
+		// blocks join the cache as computed ones do.
+		a.chunk = a.prompt - a.computed
+		w.store(a)
+		a.chunk = 0
+	}
 	if w.onAdmit != nil {
 		w.onAdmit(a)
 	}
@@ -312,14 +357,12 @@ func (w *worker) stepEnd(now time.Duration) bool {
 		case a.chunk > 0:
 			w.prefilled(a, now)
 		case a.decoding && w.kind == stepDecode:
-			a.generated += w.steps
-			w.activeTokens += w.steps
+			w.decoded(a, w.steps, now)
 		case a.decoding:
-			a.generated++
-			w.activeTokens++
+			w.decoded(a, 1, now)
 		}
 		a.chunk, a.decoding = 0, false
-		if a.computed == a.prompt && a.generated >= a.req.OutputLen {
+		if a.done() {
 			w.finish(a, now)
 			continue
 		}
@@ -330,9 +373,37 @@ func (w *worker) stepEnd(now time.Duration) bool {
 	return w.startStep(now)
 }
 
-// prefilled records a's chunk as computed: its newly full blocks join the
-// cache (BlockStored), and the end of the prompt gives the first token.
+// decoded adds n decode steps' tokens to a; the first token of a
+// transferred request (its run is one step long) is its first token.
+func (w *worker) decoded(a *active, n int, now time.Duration) {
+	first := a.generated == 0
+	a.generated += n
+	w.activeTokens += n
+	if first {
+		a.firstAt = now
+		if w.onFirst != nil {
+			w.onFirst(a, now)
+		}
+	}
+}
+
+// prefilled records a's chunk as computed (store), and the end of the
+// prompt gives the first token.
 func (w *worker) prefilled(a *active, now time.Duration) {
+	w.store(a)
+	if a.computed == a.prompt {
+		a.generated = 1
+		w.activeTokens++
+		a.firstAt = now
+		if w.onFirst != nil {
+			w.onFirst(a, now)
+		}
+	}
+}
+
+// store records a's chunk as computed: its newly full blocks join the
+// cache (BlockStored).
+func (w *worker) store(a *active) {
 	bs := w.cfg.BlockSize
 	a.computed += a.chunk
 	w.activeTokens += a.chunk
@@ -366,14 +437,6 @@ func (w *worker) prefilled(a *active, now time.Duration) {
 		w.stored = append(w.stored, kvindex.StoredBlock{EngineHash: a.keys[i], Tokens: a.req.Tokens[i*bs : (i+1)*bs]})
 	}
 	flush()
-	if a.computed == a.prompt {
-		a.generated = 1
-		w.activeTokens++
-		a.firstAt = now
-		if w.onFirst != nil {
-			w.onFirst(a, now)
-		}
-	}
 }
 
 // finish releases a's blocks (the cached ones stay, evictable, tail blocks
