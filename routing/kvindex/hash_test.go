@@ -1,8 +1,11 @@
 package kvindex
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"math"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -208,5 +211,24 @@ func BenchmarkBlockKeys(b *testing.B) {
 				dst = AppendBlockKeys(dst[:0], tokens, 16, BaseSeed)
 			}
 		})
+	}
+}
+
+// TestChainHashIsXXH3: the written-out chain step equals XXH3-64 of
+// le64(parent) || le64(local) with BaseSeed, on edge and random words.
+func TestChainHashIsXXH3(t *testing.T) {
+	words := []uint64{0, 1, BaseSeed, math.MaxUint64, 1 << 63, 0x0123456789abcdef}
+	rnd := rand.New(rand.NewPCG(1, 2))
+	for range 2000 {
+		words = append(words, rnd.Uint64())
+	}
+	for i, p := range words {
+		l := words[(i*7+3)%len(words)]
+		var b [16]byte
+		binary.LittleEndian.PutUint64(b[:8], p)
+		binary.LittleEndian.PutUint64(b[8:], l)
+		if got, want := ChainHash(p, l), xxh3.HashSeed(b[:], BaseSeed); got != want {
+			t.Fatalf("ChainHash(%#x, %#x) = %#x, xxh3 says %#x", p, l, got, want)
+		}
 	}
 }
