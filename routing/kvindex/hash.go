@@ -43,11 +43,7 @@ func LocalHash(block []uint32, seed uint64) uint64 {
 func ChainHash(parent, local uint64) uint64 {
 	lo := parent ^ chainFlip1
 	hi := local ^ chainFlip2
-	acc := 16 + bits.ReverseBytes64(lo) + hi + mulFold(lo, hi)
-	// XXH3's avalanche.
-	acc ^= acc >> 37
-	acc *= 0x165667919e3779f9
-	return acc ^ acc>>32
+	return avalanche(16 + bits.ReverseBytes64(lo) + hi + mulFold(lo, hi))
 }
 
 // chainFlip1 and chainFlip2 are XXH3's bitflips for a 9–16-byte input
@@ -72,12 +68,19 @@ func AppendBlockKeys(dst []uint64, tokens []uint32, blockSize int, seed uint64) 
 		return dst
 	}
 	dst = slices.Grow(dst, n)
+	var sec16 *secret16
 	if blockSize == 16 {
-		return appendKeys16(dst, tokens[:16*n], seed)
+		sec16 = newSecret16(seed)
 	}
 	var key uint64
 	for i := range n {
-		local := hashTokens(tokens[i*blockSize:(i+1)*blockSize:(i+1)*blockSize], seed)
+		block := tokens[i*blockSize : (i+1)*blockSize : (i+1)*blockSize]
+		var local uint64
+		if sec16 != nil {
+			local = sec16.hash((*[16]uint32)(block))
+		} else {
+			local = hashTokens(block, seed)
+		}
 		if i == 0 {
 			key = local
 		} else {
@@ -88,38 +91,39 @@ func AppendBlockKeys(dst []uint64, tokens []uint32, blockSize int, seed uint64) 
 	return dst
 }
 
-// appendKeys16 is AppendBlockKeys for blocks of 16 tokens (64 bytes, the
-// default block size), with XXH3-64's 33–64-byte case written out and its
-// seeded secret words computed once for all blocks. tokens holds whole
-// blocks; dst has room for them. TestAppendKeys16IsXXH3 checks it against
-// the general path.
-func appendKeys16(dst []uint64, tokens []uint32, seed uint64) []uint64 {
-	k0, k1 := 0xbe4ba423396cfeb8+seed, 0x1cad21f72c81017c-seed
-	k2, k3 := 0xdb979083e96dd4de+seed, 0x1f67b3b7a4a44072-seed
-	k4, k5 := 0x78e5c0cc4ee679cb+seed, 0x2172ffcc7dd05a82-seed
-	k6, k7 := 0x8e2443f7744608b8+seed, 0x4c263a81e69035e0-seed
-	var key uint64
-	for i := 0; i+16 <= len(tokens); i += 16 {
-		t := (*[16]uint32)(tokens[i : i+16])
-		// The block's little-endian bytes as eight 64-bit words.
-		w0, w1 := uint64(t[0])|uint64(t[1])<<32, uint64(t[2])|uint64(t[3])<<32
-		w2, w3 := uint64(t[4])|uint64(t[5])<<32, uint64(t[6])|uint64(t[7])<<32
-		w4, w5 := uint64(t[8])|uint64(t[9])<<32, uint64(t[10])|uint64(t[11])<<32
-		w6, w7 := uint64(t[12])|uint64(t[13])<<32, uint64(t[14])|uint64(t[15])<<32
-		acc := uint64(0x8dde6c617af2a1c0) // 64 × PRIME64_1, wrapped
-		acc += mulFold(w2^k4, w3^k5) + mulFold(w4^k6, w5^k7)
-		acc += mulFold(w0^k0, w1^k1) + mulFold(w6^k2, w7^k3)
-		acc ^= acc >> 37
-		acc *= 0x165667919e3779f9
-		local := acc ^ acc>>32
-		if i == 0 {
-			key = local
-		} else {
-			key = ChainHash(key, local)
-		}
-		dst = append(dst, key)
+// secret16 holds XXH3's default secret words for a 33–64-byte input,
+// seeded, so that a block of 16 tokens (64 bytes, the default block size)
+// is hashed by XXH3-64's case for that length written out, the seeding
+// done once per prompt. TestAppendKeys16IsXXH3 checks it against xxh3.
+type secret16 [8]uint64
+
+func newSecret16(seed uint64) *secret16 {
+	return &secret16{
+		0xbe4ba423396cfeb8 + seed, 0x1cad21f72c81017c - seed,
+		0xdb979083e96dd4de + seed, 0x1f67b3b7a4a44072 - seed,
+		0x78e5c0cc4ee679cb + seed, 0x2172ffcc7dd05a82 - seed,
+		0x8e2443f7744608b8 + seed, 0x4c263a81e69035e0 - seed,
 	}
-	return dst
+}
+
+// hash is XXH3-64 of the block's little-endian bytes.
+func (k *secret16) hash(t *[16]uint32) uint64 {
+	// The bytes as eight 64-bit little-endian words.
+	w0, w1 := uint64(t[0])|uint64(t[1])<<32, uint64(t[2])|uint64(t[3])<<32
+	w2, w3 := uint64(t[4])|uint64(t[5])<<32, uint64(t[6])|uint64(t[7])<<32
+	w4, w5 := uint64(t[8])|uint64(t[9])<<32, uint64(t[10])|uint64(t[11])<<32
+	w6, w7 := uint64(t[12])|uint64(t[13])<<32, uint64(t[14])|uint64(t[15])<<32
+	acc := uint64(0x8dde6c617af2a1c0) // 64 × PRIME64_1, wrapped
+	acc += mulFold(w2^k[4], w3^k[5]) + mulFold(w4^k[6], w5^k[7])
+	acc += mulFold(w0^k[0], w1^k[1]) + mulFold(w6^k[2], w7^k[3])
+	return avalanche(acc)
+}
+
+// avalanche is XXH3's final mix.
+func avalanche(x uint64) uint64 {
+	x ^= x >> 37
+	x *= 0x165667919e3779f9
+	return x ^ x>>32
 }
 
 func mulFold(x, y uint64) uint64 {
