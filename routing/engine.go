@@ -99,7 +99,9 @@ type Policy interface {
 	Name() string
 	// Choose picks one of s.Candidates (never empty). When commit is false
 	// the call must have no side effects (Score): no learning, no budget
-	// spent, no counters moved.
+	// spent, no counters moved. s.Candidates is the engine's pooled buffer:
+	// it is reused once Choose and the decision's making return, so a
+	// policy must not keep it (or pointers into it) beyond the call.
 	Choose(s *Scoring, commit bool) (Choice, error)
 	// Done receives the outcome of a committed decision, exactly once.
 	Done(d *Decision, o Outcome)
@@ -198,6 +200,19 @@ type Options struct {
 	// TierWeights price lower-tier (CPU, disk) cache hits for the policies
 	// (router.tier_weights; zero: DefaultTierWeights).
 	TierWeights TierWeights
+	// MaxInsertBlocks bounds the leading blocks of one prompt that go
+	// into the approximate index (default DefaultMaxInsertBlocks; negative:
+	// no bound). Deeper blocks are not recorded, so overlap is credited up
+	// to it.
+	MaxInsertBlocks int
+	// InsertBlocksPerSecond bounds the blocks all approximate inserts add
+	// per second of the engine's clock, with a burst of one second's worth
+	// (default DefaultInsertBlocksPerSecond; negative: no bound). A prompt
+	// beyond the budget has only its leading blocks that fit inserted (none
+	// when it is spent), and the rest are counted (InsertBlocksLimited):
+	// a burst of distinct prompts then cannot push the table to its cap and
+	// into pruning.
+	InsertBlocksPerSecond int
 }
 
 // insert is one approximate index insert queued off the request path.
@@ -217,6 +232,11 @@ const (
 	DefaultBlockSize        = 16
 	DefaultStaleAfter       = 5 * time.Minute
 	DefaultMaxBatchedTokens = 8192
+	// DefaultMaxInsertBlocks is 128k tokens at the default block size.
+	DefaultMaxInsertBlocks = 8192
+	// DefaultInsertBlocksPerSecond is 1/16 of the index's default cap
+	// (kvindex.DefaultMaxEntries) per second.
+	DefaultInsertBlocksPerSecond = 1 << 16
 )
 
 func (o *Options) defaults() {
@@ -238,8 +258,46 @@ func (o *Options) defaults() {
 	if o.RemoteBlockBudget <= 0 {
 		o.RemoteBlockBudget = DefaultRemoteBlockBudget
 	}
+	if o.MaxInsertBlocks == 0 {
+		o.MaxInsertBlocks = DefaultMaxInsertBlocks
+	}
+	if o.InsertBlocksPerSecond == 0 {
+		o.InsertBlocksPerSecond = DefaultInsertBlocksPerSecond
+	}
 	o.TierWeights = o.TierWeights.OrDefault()
 	o.Ejection.defaults()
+}
+
+// insertBudget is the token bucket of InsertBlocksPerSecond.
+type insertBudget struct {
+	mu      sync.Mutex
+	rate    float64 // blocks per second; <= 0: unbounded
+	blocks  float64 // available, at most rate
+	at      time.Time
+	limited atomic.Int64 // blocks not inserted for want of budget
+}
+
+// take returns how many of want blocks may be inserted at now (a prefix of
+// them), and spends them.
+func (b *insertBudget) take(want int, now time.Time) int {
+	if b.rate <= 0 {
+		return want
+	}
+	b.mu.Lock()
+	if dt := now.Sub(b.at); dt > 0 || b.at.IsZero() {
+		b.blocks = min(b.rate, b.blocks+b.rate*dt.Seconds())
+		if b.at.IsZero() {
+			b.blocks = b.rate
+		}
+		b.at = now
+	}
+	got := min(want, int(b.blocks))
+	b.blocks -= float64(got)
+	b.mu.Unlock()
+	if got < want {
+		b.limited.Add(int64(want - got))
+	}
+	return got
 }
 
 // rankState is one data-parallel rank of an endpoint.
@@ -267,9 +325,10 @@ type recentChain struct {
 	at   time.Time
 }
 
-// unseen returns how many leading keys were inserted for this rank within
-// the last second, and records keys as inserted at now.
-func (r *rankState) unseen(keys []uint64, now time.Time) int {
+// fresh returns the keys not inserted for this rank within the last
+// second (those after the longest prefix shared with a recent chain), cut
+// to the count b allows, and records what it returns as inserted at now.
+func (r *rankState) fresh(keys []uint64, now time.Time, b *insertBudget) []uint64 {
 	r.recentMu.Lock()
 	defer r.recentMu.Unlock()
 	skip := 0
@@ -280,9 +339,20 @@ func (r *rankState) unseen(keys []uint64, now time.Time) int {
 		}
 		skip = max(skip, slots.CommonPrefix(keys, c.keys))
 	}
+	if skip == len(keys) {
+		r.record(keys, now)
+		return nil
+	}
+	got := b.take(len(keys)-skip, now)
+	if skip+got > 0 {
+		r.record(keys[:skip+got], now)
+	}
+	return keys[skip : skip+got]
+}
+
+func (r *rankState) record(keys []uint64, now time.Time) {
 	r.recent[r.recentAt] = recentChain{keys: keys, at: now}
 	r.recentAt = (r.recentAt + 1) % len(r.recent)
-	return skip
 }
 
 type snapshot struct {
@@ -331,6 +401,7 @@ type Engine struct {
 	insertsDone  chan struct{}
 	insertsDrop  atomic.Int64
 	closeInserts sync.Once
+	budget       insertBudget
 
 	// mu serialises Update (the writer side only).
 	mu sync.Mutex
@@ -368,6 +439,7 @@ func NewEngine(p Policy, opts Options, deps Deps) (*Engine, error) {
 		e.queue = q
 	}
 	e.bufs.New = func() any { return &scratch{} }
+	e.budget.rate = float64(opts.InsertBlocksPerSecond)
 	if !opts.SyncIndex {
 		e.inserts = make(chan insert, insertQueue)
 		e.insertsDone = make(chan struct{})
@@ -437,6 +509,10 @@ func (e *Engine) TrustKVEvents(ep EndpointKey, trusted bool) {
 		}
 	}
 }
+
+// InsertBlocksLimited counts the blocks approximate inserts left out
+// for Options.MaxInsertBlocks or InsertBlocksPerSecond.
+func (e *Engine) InsertBlocksLimited() int64 { return e.budget.limited.Load() }
 
 // DroppedInserts counts approximate inserts dropped because the index
 // goroutine fell behind.
@@ -748,9 +824,19 @@ func (e *Engine) ReportLoad(ep EndpointKey, ld Load, blockSize int) bool {
 	return true
 }
 
-// scratch holds per-call buffers, pooled.
+// scratch holds per-call buffers, pooled: nothing in them outlives the
+// decide call that took them (Policy.Choose keeps no candidate).
 type scratch struct {
-	index []kvindex.Match
+	index      []kvindex.Match
+	candidates []Candidate
+	spaceOf    []int8
+}
+
+// release clears the candidates' pointers (so a pooled buffer keeps no
+// endpoint state alive) and returns sb to the pool.
+func (e *Engine) release(sb *scratch, cs []Candidate) {
+	clear(cs)
+	e.bufs.Put(sb)
 }
 
 // keySpace is one block size's view of the request.
@@ -775,9 +861,10 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 	for _, st := range eps {
 		n += len(st.ranks)
 	}
-	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: now, Candidates: make([]Candidate, 0, n), WantRanked: e.opts.Fallbacks > 0, WantPredicted: !commit, TierWeights: e.opts.TierWeights}
 	sb := e.bufs.Get().(*scratch)
-	defer e.bufs.Put(sb)
+	sc := &Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: now, Candidates: slices.Grow(sb.candidates[:0], n), WantRanked: e.opts.Fallbacks > 0, WantPredicted: !commit, TierWeights: e.opts.TierWeights}
+	sb.candidates = sc.Candidates
+	defer func() { e.release(sb, sb.candidates[:n]) }()
 	timed := commit && e.deps.OnTimings != nil
 	var tm Timings
 	var t0, tLook time.Time
@@ -815,7 +902,8 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		spaceList = append(spaceList, ks)
 		return len(spaceList) - 1
 	}
-	spaceOf := make([]int8, 0, n)
+	spaceOf := slices.Grow(sb.spaceOf[:0], n)
+	sb.spaceOf = spaceOf
 	for _, st := range eps {
 		si := space(e.blockSize(st))
 		ks := &spaceList[si]
@@ -983,13 +1071,18 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 // insertApprox records, for a rank without trusted KV events, that its
 // worker now caches keys (approximate mode): a committed decision's prompt
 // ([Engine.Pick]) or a peer replica's ([Engine.StartRemote]). Keys already
-// inserted for the rank within the last second are skipped. keys is
-// retained.
+// inserted for the rank within the last second are skipped, and the rest
+// are bounded by Options.MaxInsertBlocks and InsertBlocksPerSecond. keys
+// is retained.
 func (e *Engine) insertApprox(rs *rankState, bs int, keys []uint64, now time.Time) {
 	if rs.eventFed.Load() || len(keys) == 0 {
 		return
 	}
-	fresh := keys[rs.unseen(keys, now):]
+	if m := e.opts.MaxInsertBlocks; m > 0 && len(keys) > m {
+		e.budget.limited.Add(int64(len(keys) - m))
+		keys = keys[:m]
+	}
+	fresh := rs.fresh(keys, now, &e.budget)
 	if len(fresh) == 0 {
 		return
 	}

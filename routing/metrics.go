@@ -25,6 +25,7 @@ type Collector struct {
 	expired       *prometheus.Desc
 	servedUnknown *prometheus.Desc
 	insertsDrop   *prometheus.Desc
+	insertsLimit  *prometheus.Desc
 	queueDepth    *prometheus.Desc
 	queueOutcomes *prometheus.Desc
 	ejections     *prometheus.Desc
@@ -54,6 +55,7 @@ func NewCollector(e *Engine) *Collector {
 		expired:       prometheus.NewDesc("kvbandit_decisions_expired_total", "Decisions released by the sweeper because their outcome never came.", nil, nil),
 		servedUnknown: prometheus.NewDesc("kvbandit_served_unknown_total", "Outcomes whose served endpoint (data-plane metadata) was neither the chosen endpoint nor in the endpoint set; they teach nothing.", nil, nil),
 		insertsDrop:   prometheus.NewDesc("kvbandit_index_inserts_dropped_total", "Approximate index inserts dropped because the index goroutine fell behind.", nil, nil),
+		insertsLimit:  prometheus.NewDesc("kvbandit_index_insert_blocks_limited_total", "Blocks of prompts left out of the approximate index by the per-request and per-second insert bounds.", nil, nil),
 		queueDepth:    prometheus.NewDesc("kvbandit_queue_depth", "Requests waiting in the admission queue.", nil, nil),
 		queueOutcomes: prometheus.NewDesc("kvbandit_queue_requests_total", "Admission queue results.", []string{"result"}, nil),
 		ejections:     prometheus.NewDesc("kvbandit_endpoint_ejections_total", "Endpoint ejections, by reason (errors: consecutive failed outcomes; scrape: consecutive failed metrics scrapes).", []string{"reason"}, nil),
@@ -63,7 +65,7 @@ func NewCollector(e *Engine) *Collector {
 
 // Describe implements [prometheus.Collector].
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.inflight, c.remote, c.remoteExpired, c.decisions, c.endpoints, c.role, c.pd, c.prefill, c.blocks, c.indexEntries, c.indexBlocks, c.indexTiers, c.indexEvents, c.indexDropped, c.expired, c.servedUnknown, c.insertsDrop, c.queueDepth, c.queueOutcomes, c.ejections, c.ejected} {
+	for _, d := range []*prometheus.Desc{c.inflight, c.remote, c.remoteExpired, c.decisions, c.endpoints, c.role, c.pd, c.prefill, c.blocks, c.indexEntries, c.indexBlocks, c.indexTiers, c.indexEvents, c.indexDropped, c.expired, c.servedUnknown, c.insertsDrop, c.insertsLimit, c.queueDepth, c.queueOutcomes, c.ejections, c.ejected} {
 		ch <- d
 	}
 }
@@ -110,6 +112,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.remoteExpired, prometheus.CounterValue, float64(c.e.RemoteExpired()))
 	ch <- prometheus.MustNewConstMetric(c.servedUnknown, prometheus.CounterValue, float64(c.e.ServedUnknown()))
 	ch <- prometheus.MustNewConstMetric(c.insertsDrop, prometheus.CounterValue, float64(c.e.DroppedInserts()))
+	ch <- prometheus.MustNewConstMetric(c.insertsLimit, prometheus.CounterValue, float64(c.e.InsertBlocksLimited()))
 	ch <- prometheus.MustNewConstMetric(c.ejected, prometheus.GaugeValue, float64(ejected))
 	byErrors, byScrape := c.e.Ejections()
 	ch <- prometheus.MustNewConstMetric(c.ejections, prometheus.CounterValue, float64(byErrors), EjectReasonErrors)

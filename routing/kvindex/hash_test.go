@@ -1,10 +1,14 @@
 package kvindex
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"math"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"testing"
 
@@ -208,5 +212,62 @@ func BenchmarkBlockKeys(b *testing.B) {
 				dst = AppendBlockKeys(dst[:0], tokens, 16, BaseSeed)
 			}
 		})
+	}
+}
+
+// TestChainHashIsXXH3: the written-out chain step equals XXH3-64 of
+// le64(parent) || le64(local) with BaseSeed, on edge and random words.
+func TestChainHashIsXXH3(t *testing.T) {
+	words := []uint64{0, 1, BaseSeed, math.MaxUint64, 1 << 63, 0x0123456789abcdef}
+	rnd := rand.New(rand.NewPCG(1, 2))
+	for range 2000 {
+		words = append(words, rnd.Uint64())
+	}
+	for i, p := range words {
+		l := words[(i*7+3)%len(words)]
+		var b [16]byte
+		binary.LittleEndian.PutUint64(b[:8], p)
+		binary.LittleEndian.PutUint64(b[8:], l)
+		if got, want := ChainHash(p, l), xxh3.HashSeed(b[:], BaseSeed); got != want {
+			t.Fatalf("ChainHash(%#x, %#x) = %#x, xxh3 says %#x", p, l, got, want)
+		}
+	}
+}
+
+// TestAppendKeys16IsXXH3: the 16-token fast path gives the keys of the
+// general definition (LocalHash through xxh3, ChainHash) for random
+// tokens, seeds (salted or not) and block counts, a trailing partial block
+// ignored.
+func TestAppendKeys16IsXXH3(t *testing.T) {
+	rnd := rand.New(rand.NewPCG(3, 4))
+	for trial := range 300 {
+		toks := make([]uint32, rnd.IntN(40*16))
+		for i := range toks {
+			toks[i] = rnd.Uint32()
+		}
+		seed := BaseSeed
+		if trial%2 == 1 {
+			seed = Seed(fmt.Sprint("lora", trial), fmt.Sprint("ns", trial%3))
+		}
+		got := AppendBlockKeys([]uint64{42}, toks, 16, seed)
+		want := []uint64{42}
+		for i := 0; i+16 <= len(toks); i += 16 {
+			b := make([]byte, 64)
+			for j, tk := range toks[i : i+16] {
+				binary.LittleEndian.PutUint32(b[4*j:], tk)
+			}
+			local := xxh3.HashSeed(b, seed)
+			if i == 0 {
+				want = append(want, local)
+			} else {
+				var c [16]byte
+				binary.LittleEndian.PutUint64(c[:8], want[len(want)-1])
+				binary.LittleEndian.PutUint64(c[8:], local)
+				want = append(want, xxh3.HashSeed(c[:], BaseSeed))
+			}
+		}
+		if !slices.Equal(got, want) {
+			t.Fatalf("trial %d (%d tokens, seed %#x): keys differ\ngot  %x\nwant %x", trial, len(toks), seed, got, want)
+		}
 	}
 }
