@@ -188,7 +188,8 @@ func FuzzParseUsage(f *testing.F) {
 
 // FuzzCheckJSON: the one-pass checkJSON gives the verdict of the three
 // checks it replaced (depth, then gjson's validator, then UTF-8), error for
-// error, and accepts exactly what encoding/json accepts in valid UTF-8.
+// error, and accepts exactly what encoding/json accepts in valid UTF-8;
+// wellFormed agrees with the depth check and gjson's validator.
 func FuzzCheckJSON(f *testing.F) {
 	for _, s := range []string{`{}`, `[]`, ` {"a":[1,-0.5e+3,"\u00e9\n",true,false,null,{}]} `, `{"a":1,}`, `[1 2]`, `"\x80"`, `01`, `-`, `1.`, `1e`, `{"a" 1}`, `[[[`, `"\ud800"`, "\"a\tb\"", `{"k":"` + strings.Repeat("lorem ipsum ", 9) + `"}`} {
 		f.Add([]byte(s))
@@ -206,6 +207,9 @@ func FuzzCheckJSON(f *testing.F) {
 		got := checkJSON(body)
 		if fmt.Sprint(got) != fmt.Sprint(want) {
 			t.Fatalf("checkJSON(%q) = %v, the three checks say %v", body, got, want)
+		}
+		if got, want := wellFormed(body), !tooDeep(body, MaxDepth) && gjson.ValidBytes(body); got != want {
+			t.Fatalf("wellFormed(%q) = %v, tooDeep and gjson say %v", body, got, want)
 		}
 		if wellFormed := json.Valid(body) && utf8.Valid(body) && !tooDeep(body, MaxDepth); (got == nil) != wellFormed {
 			t.Fatalf("checkJSON(%q) = %v, encoding/json: %v", body, got, wellFormed)

@@ -15,10 +15,10 @@ import (
 )
 
 // MaxDepth is the deepest nesting of arrays and objects accepted in a body
-// or a response event. gjson's validator recurses once per level, and a
+// or a response event. gjson's parser recurses once per level, and a
 // 16 MiB body of "[" would overflow the goroutine stack and kill the
-// process, so depth is checked first by an iterative scan. Python's json
-// module, behind vLLM and SGLang, stops near the same depth.
+// process, so depth is checked first, without recursion (validJSON).
+// Python's json module, behind vLLM and SGLang, stops near the same depth.
 const MaxDepth = 1000
 
 // MaxItems bounds the messages, content parts and prompts (strings or token
@@ -46,6 +46,13 @@ func checkJSON(b []byte) error {
 		return ErrInvalidUTF8
 	}
 	return nil
+}
+
+// wellFormed reports whether b is one JSON value nested at most MaxDepth
+// deep, UTF-8 aside: what response events and bodies must be.
+func wellFormed(b []byte) bool {
+	syntax, _, _ := validJSON(b, MaxDepth)
+	return syntax
 }
 
 // validJSON checks that b is one JSON value (RFC 8259, surrounding
