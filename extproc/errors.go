@@ -199,8 +199,16 @@ func grpcError(err error) error {
 // append field, not append_action, and its default is already "replace";
 // it is set explicitly so that no data plane appends a second value.
 func setHeader(k, v string) *corev3.HeaderValueOption {
-	return &corev3.HeaderValueOption{
-		Header: &corev3.HeaderValue{Key: k, RawValue: []byte(v)},
-		Append: wrapperspb.Bool(false),
-	}
+	h := &headerOption{}
+	h.header.Key, h.header.RawValue = k, []byte(v)
+	h.opt.Header, h.opt.Append = &h.header, &h.append
+	return &h.opt
+}
+
+// headerOption is a HeaderValueOption and the messages it points to, in
+// one allocation (append is false, its zero value).
+type headerOption struct {
+	opt    corev3.HeaderValueOption
+	header corev3.HeaderValue
+	append wrapperspb.BoolValue
 }

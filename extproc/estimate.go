@@ -1,8 +1,6 @@
 package extproc
 
 import (
-	"encoding/binary"
-
 	"github.com/kvbandit/kvbandit/extproc/openai"
 )
 
@@ -32,28 +30,54 @@ func EstimateTokens(r *openai.Request) []uint32 {
 	for i := range r.Messages {
 		size += len(r.Messages[i].Role) + len(r.Messages[i].Content) + 2
 	}
-	for _, p := range r.Prompts {
-		size += len(p) + 1
+	for i, p := range r.Prompts {
+		size += len(p)
+		if i > 0 {
+			size++
+		}
 	}
-	buf := make([]byte, 0, size+3)
+	// The canonical string is packed as it is written, without building it.
+	w := packer{out: make([]uint32, (size+3)/4)}
 	for i := range r.Messages {
-		buf = append(buf, r.Messages[i].Role...)
-		buf = append(buf, '\n')
-		buf = append(buf, r.Messages[i].Content...)
-		buf = append(buf, 0)
+		w.str(r.Messages[i].Role)
+		w.byte('\n')
+		w.str(r.Messages[i].Content)
+		w.byte(0)
 	}
 	for i, p := range r.Prompts {
 		if i > 0 {
-			buf = append(buf, 0)
+			w.byte(0)
 		}
-		buf = append(buf, p...)
+		w.str(p)
 	}
-	for len(buf)%4 != 0 {
-		buf = append(buf, 0)
+	return w.out
+}
+
+// packer writes bytes into little-endian uint32s: byte n goes to bits
+// 8*(n%4) of out[n/4]. out starts zeroed, which pads the last group.
+type packer struct {
+	out []uint32
+	n   int
+}
+
+func (w *packer) byte(c byte) {
+	w.out[w.n>>2] |= uint32(c) << (8 * (w.n & 3))
+	w.n++
+}
+
+func (w *packer) str(s string) {
+	for len(s) > 0 && w.n&3 != 0 {
+		w.byte(s[0])
+		s = s[1:]
 	}
-	out := make([]uint32, len(buf)/4)
-	for i := range out {
-		out[i] = binary.LittleEndian.Uint32(buf[4*i:])
+	out := w.out[w.n>>2:]
+	k := 0
+	for ; len(s) >= 4; k++ {
+		out[k] = uint32(s[0]) | uint32(s[1])<<8 | uint32(s[2])<<16 | uint32(s[3])<<24
+		s = s[4:]
 	}
-	return out
+	w.n += 4 * k
+	for i := 0; i < len(s); i++ {
+		w.byte(s[i])
+	}
 }

@@ -1,7 +1,10 @@
 package extproc
 
 import (
+	"encoding/binary"
+	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/kvbandit/kvbandit/extproc/openai"
@@ -38,5 +41,66 @@ func TestEstimateTokensSharesPrefixes(t *testing.T) {
 	}
 	if got := EstimateTokens(&openai.Request{}); len(got) != 0 {
 		t.Fatalf("empty: %v", got)
+	}
+}
+
+// estimateByCopy is EstimateTokens as first written: build the canonical
+// string, pad it, then cut it into 4-byte groups. The packer must agree.
+func estimateByCopy(r *openai.Request) []uint32 {
+	var buf []byte
+	for i := range r.Messages {
+		buf = append(buf, r.Messages[i].Role...)
+		buf = append(buf, '\n')
+		buf = append(buf, r.Messages[i].Content...)
+		buf = append(buf, 0)
+	}
+	for i, p := range r.Prompts {
+		if i > 0 {
+			buf = append(buf, 0)
+		}
+		buf = append(buf, p...)
+	}
+	for len(buf)%4 != 0 {
+		buf = append(buf, 0)
+	}
+	out := make([]uint32, len(buf)/4)
+	for i := range out {
+		out[i] = binary.LittleEndian.Uint32(buf[4*i:])
+	}
+	return out
+}
+
+// TestEstimateTokensPacksLikeCopy: the packer gives the same pseudo-tokens
+// as building the string and cutting it, for every alignment of roles,
+// contents and prompts (lengths 0 to 9, so every offset mod 4 is met).
+func TestEstimateTokensPacksLikeCopy(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 16))
+	text := func() string {
+		var b strings.Builder
+		for range rng.IntN(10) {
+			b.WriteByte(byte(rng.IntN(256)))
+		}
+		return b.String()
+	}
+	for range 2000 {
+		r := &openai.Request{}
+		for range rng.IntN(4) {
+			r.Messages = append(r.Messages, openai.Message{Role: text(), Content: text()})
+		}
+		for range rng.IntN(4) {
+			r.Prompts = append(r.Prompts, text())
+		}
+		if got, want := EstimateTokens(r), estimateByCopy(r); !slices.Equal(got, want) {
+			t.Fatalf("%+v: got %v, want %v", r, got, want)
+		}
+	}
+}
+
+// BenchmarkEstimateTokens: a 4 KiB chat prompt.
+func BenchmarkEstimateTokens(b *testing.B) {
+	r := &openai.Request{Messages: []openai.Message{{Role: "system", Content: "Be brief."}, {Role: "user", Content: strings.Repeat("lorem ipsum dolor sit amet ", 150)}}}
+	b.ReportAllocs()
+	for b.Loop() {
+		EstimateTokens(r)
 	}
 }

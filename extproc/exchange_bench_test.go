@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"testing"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -37,12 +38,7 @@ func BenchmarkExtProcExchange(b *testing.B) {
 			b.Run(fmt.Sprintf("body=%dKB/server=%s", size>>10, srv), func(b *testing.B) {
 				var impl extprocv3.ExternalProcessorServer = echoServer{}
 				if srv == "kvbandit" {
-					e := routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
-					defer e.Close()
-					if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}, {Key: "10.0.0.2:8000"}}}); err != nil {
-						b.Fatal(err)
-					}
-					impl = extproc.NewServer(extproc.Config{ResponseProcessing: true}, extproc.Deps{Picker: e, Logger: slog.New(slog.DiscardHandler)})
+					impl = benchServer(b)
 				}
 				client, stop := startServer(b, impl)
 				defer stop()
@@ -57,6 +53,55 @@ func BenchmarkExtProcExchange(b *testing.B) {
 			})
 		}
 	}
+}
+
+// BenchmarkExtProcExchangePaired runs BenchmarkExtProcExchange's exchange
+// against kvbandit and the bare echo server in turn, alternating which goes
+// first, so that both see the same machine load: on a shared machine the
+// load moves between two sub-benchmarks run one after the other, and their
+// ratio with it. It reports each server's time per exchange and the ratio
+// kvbandit/echo (ns/op and allocs/op count both exchanges).
+//
+//	go test -run '^$' -bench ExtProcExchangePaired -benchmem -count 6 ./extproc/
+func BenchmarkExtProcExchangePaired(b *testing.B) {
+	for _, size := range []int{4 << 10, 256 << 10} {
+		body := chatBody(size)
+		b.Run(fmt.Sprintf("body=%dKB", size>>10), func(b *testing.B) {
+			kv, stopKV := startServer(b, benchServer(b))
+			defer stopKV()
+			echo, stopEcho := startServer(b, echoServer{})
+			defer stopEcho()
+			clients := [2]extprocv3.ExternalProcessorClient{kv, echo}
+			var spent [2]time.Duration
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				for j := range 2 {
+					k := (i + j) % 2
+					t0 := time.Now()
+					if err := exchange(b.Context(), clients[k], body); err != nil {
+						b.Fatal(err)
+					}
+					spent[k] += time.Since(t0)
+				}
+				i++
+			}
+			b.ReportMetric(float64(spent[0].Nanoseconds())/float64(i)/1e3, "kvbandit-µs/op")
+			b.ReportMetric(float64(spent[1].Nanoseconds())/float64(i)/1e3, "echo-µs/op")
+			b.ReportMetric(float64(spent[0])/float64(spent[1]), "kvbandit/echo")
+		})
+	}
+}
+
+// benchServer is the kvbandit server of the exchange benchmarks: round
+// robin over two endpoints, response processing on.
+func benchServer(b *testing.B) *extproc.Server {
+	e := routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
+	b.Cleanup(e.Close)
+	if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}, {Key: "10.0.0.2:8000"}}}); err != nil {
+		b.Fatal(err)
+	}
+	return extproc.NewServer(extproc.Config{ResponseProcessing: true}, extproc.Deps{Picker: e, Logger: slog.New(slog.DiscardHandler)})
 }
 
 // chatBody returns a chat completion request of about n bytes.

@@ -179,12 +179,16 @@ type processor struct {
 	lastMsg   time.Time
 
 	// response state
-	status     int
-	sse        bool
-	json       bool
-	served     routing.EndpointKey
-	stream     *openai.StreamParser
-	respBody   []byte
+	status   int
+	sse      bool
+	json     bool
+	served   routing.EndpointKey
+	stream   *openai.StreamParser
+	respBody []byte
+	// respChunk and respOut are reused for every response body reply:
+	// the receive loop sends each before it reads the next message.
+	respChunk  bodyChunk
+	respOut    [1]*extprocv3.ProcessingResponse
 	respOver   bool
 	ttft       time.Duration
 	sawContent bool
@@ -695,8 +699,7 @@ func (p *processor) destination() string {
 
 // mutation sets the destination (when decided) and removes every
 // client-supplied header that could steer the data plane.
-func (p *processor) mutation() *extprocv3.HeaderMutation {
-	hm := &extprocv3.HeaderMutation{}
+func (p *processor) mutation(hm *extprocv3.HeaderMutation) *extprocv3.HeaderMutation {
 	rank := -1
 	if p.decision != nil {
 		hm.SetHeaders = append(hm.SetHeaders, setHeader(HeaderDestination, p.destination()))
@@ -728,30 +731,57 @@ func (p *processor) mutation() *extprocv3.HeaderMutation {
 }
 
 func (p *processor) dynamicMetadata() *structpb.Struct {
-	return &structpb.Struct{Fields: map[string]*structpb.Value{
-		NamespaceLB: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
-			HeaderDestination: structpb.NewStringValue(p.destination()),
-		}}),
-	}}
+	m := &lbMetadata{}
+	m.destKind.StringValue = p.destination()
+	m.dest.Kind = &m.destKind
+	m.inner.Fields = map[string]*structpb.Value{HeaderDestination: &m.dest}
+	m.lbKind.StructValue = &m.inner
+	m.lb.Kind = &m.lbKind
+	m.outer.Fields = map[string]*structpb.Value{NamespaceLB: &m.lb}
+	return &m.outer
+}
+
+// lbMetadata is the decision's dynamic metadata, {NamespaceLB:
+// {HeaderDestination: "ip:port"}}, in one allocation besides its maps.
+type lbMetadata struct {
+	outer, inner structpb.Struct
+	lb, dest     structpb.Value
+	lbKind       structpb.Value_StructValue
+	destKind     structpb.Value_StringValue
 }
 
 // headersResponse answers the request headers; with decided set it carries
 // the decision.
 func (p *processor) headersResponse(decided bool) *extprocv3.ProcessingResponse {
-	cr := &extprocv3.CommonResponse{HeaderMutation: p.mutation()}
-	out := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{Response: cr}}}
+	r := &headersReply{}
+	r.mutation.SetHeaders = r.set[:0]
+	r.common.HeaderMutation = p.mutation(&r.mutation)
+	r.headers.Response = &r.common
+	r.oneof.RequestHeaders = &r.headers
+	r.resp.Response = &r.oneof
 	if decided {
-		cr.ClearRouteCache = true
-		out.DynamicMetadata = p.dynamicMetadata()
+		r.common.ClearRouteCache = true
+		r.resp.DynamicMetadata = p.dynamicMetadata()
 	}
-	return out
+	return &r.resp
+}
+
+// headersReply is a request headers reply and the messages it points to,
+// in one allocation, with room for the destination header and one more.
+type headersReply struct {
+	resp     extprocv3.ProcessingResponse
+	oneof    extprocv3.ProcessingResponse_RequestHeaders
+	headers  extprocv3.HeadersResponse
+	common   extprocv3.CommonResponse
+	mutation extprocv3.HeaderMutation
+	set      [2]*corev3.HeaderValueOption
 }
 
 // bufferedBodyResponse carries the decision in BUFFERED mode, body untouched.
 func (p *processor) bufferedBodyResponse() *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{
 		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{
-			Response: &extprocv3.CommonResponse{HeaderMutation: p.mutation(), ClearRouteCache: true},
+			Response: &extprocv3.CommonResponse{HeaderMutation: p.mutation(&extprocv3.HeaderMutation{}), ClearRouteCache: true},
 		}},
 		DynamicMetadata: p.dynamicMetadata(),
 	}
@@ -761,19 +791,46 @@ func (p *processor) bufferedBodyResponse() *extprocv3.ProcessingResponse {
 // BodyChunkBytes; the last carries end_of_stream when eos is set. An empty
 // body still gets one (empty) chunk.
 func appendBodyChunks(out []*extprocv3.ProcessingResponse, body []byte, eos bool) []*extprocv3.ProcessingResponse {
-	for {
+	chunks := make([]bodyChunk, max(1, (len(body)+BodyChunkBytes-1)/BodyChunkBytes))
+	for i := range chunks {
 		n := min(len(body), BodyChunkBytes)
-		last := n == len(body)
-		out = append(out, &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{
-			Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
-				StreamedResponse: &extprocv3.StreamedBodyResponse{Body: body[:n:n], EndOfStream: last && eos},
-			}}},
-		}}})
-		if last {
-			return out
-		}
+		out = append(out, chunks[i].set(true, body[:n:n], n == len(body) && eos))
 		body = body[n:]
 	}
+	return out
+}
+
+// bodyChunk is a StreamedBodyResponse reply and every message around it,
+// laid out together: one allocation instead of seven, and a processor
+// reuses one for every response chunk (a reply is encoded by Send before
+// the next message is handled).
+type bodyChunk struct {
+	resp     extprocv3.ProcessingResponse
+	req      extprocv3.ProcessingResponse_RequestBody
+	res      extprocv3.ProcessingResponse_ResponseBody
+	body     extprocv3.BodyResponse
+	common   extprocv3.CommonResponse
+	mutation extprocv3.BodyMutation
+	streamed extprocv3.BodyMutation_StreamedResponse
+	chunk    extprocv3.StreamedBodyResponse
+}
+
+// set makes c the request (or response) body reply that streams data,
+// with end_of_stream eos, and returns it.
+func (c *bodyChunk) set(request bool, data []byte, eos bool) *extprocv3.ProcessingResponse {
+	c.chunk.Body, c.chunk.EndOfStream = data, eos
+	c.streamed.StreamedResponse = &c.chunk
+	c.mutation.Mutation = &c.streamed
+	c.common.BodyMutation = &c.mutation
+	c.body.Response = &c.common
+	if request {
+		c.req.RequestBody = &c.body
+		c.resp.Response = &c.req
+	} else {
+		c.res.ResponseBody = &c.body
+		c.resp.Response = &c.res
+	}
+	return &c.resp
 }
 
 func bodyAck(request bool) *extprocv3.ProcessingResponse {
@@ -826,19 +883,16 @@ func (p *processor) onResponseBody(b *extprocv3.HttpBody) ([]*extprocv3.Processi
 	eos := b.GetEndOfStream()
 	var out *extprocv3.ProcessingResponse
 	if p.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
-		out = &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{
-			Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
-				StreamedResponse: &extprocv3.StreamedBodyResponse{Body: chunk, EndOfStream: eos},
-			}}},
-		}}}
+		out = p.respChunk.set(false, chunk, eos)
 	} else {
 		out = bodyAck(false)
 	}
+	p.respOut[0] = out
 	if eos || p.respMode == filterv3.ProcessingMode_BUFFERED {
 		p.finish(p.statusKind())
-		return []*extprocv3.ProcessingResponse{out}, true, nil
+		return p.respOut[:], true, nil
 	}
-	return []*extprocv3.ProcessingResponse{out}, false, nil
+	return p.respOut[:], false, nil
 }
 
 func (p *processor) onResponseTrailers() ([]*extprocv3.ProcessingResponse, bool, error) {

@@ -5,6 +5,9 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"unicode/utf8"
+
+	"github.com/tidwall/gjson"
 )
 
 // chatBody builds a realistic multi-turn chat request of about size bytes:
@@ -78,5 +81,35 @@ func BenchmarkStreamParser(b *testing.B) {
 	for b.Loop() {
 		p := NewStreamParser(0)
 		p.Feed(stream)
+	}
+}
+
+// BenchmarkCheckJSON compares, in one run, checkJSON's single pass with
+// the three passes it replaced (tooDeep, gjson's validator, utf8.Valid) on
+// BenchmarkParse's bodies.
+//
+//	go test -run '^$' -bench CheckJSON -benchmem -count 6 ./extproc/openai/
+func BenchmarkCheckJSON(b *testing.B) {
+	impls := []struct {
+		name  string
+		check func([]byte) bool
+	}{
+		{"onepass", func(body []byte) bool { return checkJSON(body) == nil }},
+		{"threepass", func(body []byte) bool {
+			return !tooDeep(body, MaxDepth) && gjson.ValidBytes(body) && utf8.Valid(body)
+		}},
+	}
+	for _, size := range []int{4 << 10, 256 << 10} {
+		body := chatBody(size)
+		for _, impl := range impls {
+			b.Run(fmt.Sprintf("body=%dKB/impl=%s", size>>10, impl.name), func(b *testing.B) {
+				b.SetBytes(int64(len(body)))
+				for b.Loop() {
+					if !impl.check(body) {
+						b.Fatal("rejected")
+					}
+				}
+			})
+		}
 	}
 }

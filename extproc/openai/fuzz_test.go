@@ -4,10 +4,13 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"strings"
 	"testing"
 	"unicode/utf8"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/tidwall/gjson"
 )
 
 // FuzzParse checks that Parse never panics, returns only the documented
@@ -179,6 +182,37 @@ func FuzzParseUsage(f *testing.F) {
 		}
 		if !ok && u != unreported() {
 			t.Fatalf("usage %+v with ok=false", u)
+		}
+	})
+}
+
+// FuzzCheckJSON: the one-pass checkJSON gives the verdict of the three
+// checks it replaced (depth, then gjson's validator, then UTF-8), error for
+// error, and accepts exactly what encoding/json accepts in valid UTF-8;
+// wellFormed agrees with the depth check and gjson's validator.
+func FuzzCheckJSON(f *testing.F) {
+	for _, s := range []string{`{}`, `[]`, ` {"a":[1,-0.5e+3,"\u00e9\n",true,false,null,{}]} `, `{"a":1,}`, `[1 2]`, `"\x80"`, `01`, `-`, `1.`, `1e`, `{"a" 1}`, `[[[`, `"\ud800"`, "\"a\tb\"", `{"k":"` + strings.Repeat("lorem ipsum ", 9) + `"}`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		var want error
+		switch {
+		case tooDeep(body, MaxDepth):
+			want = fmt.Errorf("%w: nested deeper than %d levels", ErrInvalidJSON, MaxDepth)
+		case !gjson.ValidBytes(body):
+			want = fmt.Errorf("%w: malformed or truncated", ErrInvalidJSON)
+		case !utf8.Valid(body):
+			want = ErrInvalidUTF8
+		}
+		got := checkJSON(body)
+		if fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Fatalf("checkJSON(%q) = %v, the three checks say %v", body, got, want)
+		}
+		if got, want := wellFormed(body), !tooDeep(body, MaxDepth) && gjson.ValidBytes(body); got != want {
+			t.Fatalf("wellFormed(%q) = %v, tooDeep and gjson say %v", body, got, want)
+		}
+		if wellFormed := json.Valid(body) && utf8.Valid(body) && !tooDeep(body, MaxDepth); (got == nil) != wellFormed {
+			t.Fatalf("checkJSON(%q) = %v, encoding/json: %v", body, got, wellFormed)
 		}
 	})
 }

@@ -2,6 +2,7 @@ package openai
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -14,10 +15,10 @@ import (
 )
 
 // MaxDepth is the deepest nesting of arrays and objects accepted in a body
-// or a response event. gjson's validator recurses once per level, and a
+// or a response event. gjson's parser recurses once per level, and a
 // 16 MiB body of "[" would overflow the goroutine stack and kill the
-// process, so depth is checked first by an iterative scan. Python's json
-// module, behind vLLM and SGLang, stops near the same depth.
+// process, so depth is checked first, without recursion (validJSON).
+// Python's json module, behind vLLM and SGLang, stops near the same depth.
 const MaxDepth = 1000
 
 // MaxItems bounds the messages, content parts and prompts (strings or token
@@ -31,18 +32,252 @@ const MaxItems = 100_000
 const maxCount = math.MaxInt32
 
 // checkJSON validates a complete JSON text: nesting depth, syntax and UTF-8,
-// in that order.
+// reported in that order when several are wrong. It reads b once, without
+// recursion (validJSON); only a body it rejects is scanned again, by
+// tooDeep, to tell a too-deep one from a malformed one.
 func checkJSON(b []byte) error {
-	if tooDeep(b, MaxDepth) {
+	syntax, deep, text := validJSON(b, MaxDepth)
+	switch {
+	case deep || !syntax && tooDeep(b, MaxDepth):
 		return fmt.Errorf("%w: nested deeper than %d levels", ErrInvalidJSON, MaxDepth)
-	}
-	if !gjson.ValidBytes(b) {
+	case !syntax:
 		return fmt.Errorf("%w: malformed or truncated", ErrInvalidJSON)
-	}
-	if !utf8.Valid(b) {
+	case !text:
 		return ErrInvalidUTF8
 	}
 	return nil
+}
+
+// wellFormed reports whether b is one JSON value nested at most MaxDepth
+// deep, UTF-8 aside: what response events and bodies must be.
+func wellFormed(b []byte) bool {
+	syntax, _, _ := validJSON(b, MaxDepth)
+	return syntax
+}
+
+// validJSON checks that b is one JSON value (RFC 8259, surrounding
+// whitespace allowed) in one pass with an explicit stack. syntax reports the
+// grammar; deep that more than max arrays and objects were open at once
+// (the scan stops there); text that strings are valid UTF-8 (outside them
+// the grammar allows ASCII only). It accepts what encoding/json.Valid
+// accepts.
+func validJSON(b []byte, max int) (syntax, deep, text bool) {
+	var objects [MaxDepth/64 + 1]uint64 // bit d: level d is an object
+	if max > MaxDepth {
+		max = MaxDepth
+	}
+	text = true
+	depth, i := 0, 0
+	for {
+		// A value starts at i.
+		i = skipSpace(b, i)
+		if i >= len(b) {
+			return false, false, text
+		}
+		switch c := b[i]; c {
+		case '{', '[':
+			if depth == max {
+				return false, true, text
+			}
+			bit := uint64(1) << (depth % 64)
+			if c == '{' {
+				objects[depth/64] |= bit
+			} else {
+				objects[depth/64] &^= bit
+			}
+			depth++
+			i = skipSpace(b, i+1)
+			if i < len(b) && (c == '{' && b[i] == '}' || c == '[' && b[i] == ']') {
+				depth--
+				i++
+				break
+			}
+			if c == '{' {
+				var ok bool
+				if i, ok = objectKey(b, i, &text); !ok {
+					return false, false, text
+				}
+			}
+			continue
+		case '"':
+			var ok bool
+			if i, ok = jsonString(b, i, &text); !ok {
+				return false, false, text
+			}
+		case 't':
+			if !bytes.HasPrefix(b[i:], []byte("true")) {
+				return false, false, text
+			}
+			i += 4
+		case 'f':
+			if !bytes.HasPrefix(b[i:], []byte("false")) {
+				return false, false, text
+			}
+			i += 5
+		case 'n':
+			if !bytes.HasPrefix(b[i:], []byte("null")) {
+				return false, false, text
+			}
+			i += 4
+		default:
+			var ok bool
+			if i, ok = jsonNumber(b, i); !ok {
+				return false, false, text
+			}
+		}
+		// A value ended before i: close containers, or find the next value.
+		for {
+			i = skipSpace(b, i)
+			if depth == 0 {
+				return i == len(b), false, text
+			}
+			if i >= len(b) {
+				return false, false, text
+			}
+			object := objects[(depth-1)/64]&(1<<((depth-1)%64)) != 0
+			if c := b[i]; c == ',' {
+				i++
+				if object {
+					var ok bool
+					if i, ok = objectKey(b, skipSpace(b, i), &text); !ok {
+						return false, false, text
+					}
+				}
+				break
+			} else if object && c == '}' || !object && c == ']' {
+				depth--
+				i++
+				continue
+			}
+			return false, false, text
+		}
+	}
+}
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// objectKey reads `"key" :` at i and returns the index after the colon.
+func objectKey(b []byte, i int, text *bool) (int, bool) {
+	if i >= len(b) || b[i] != '"' {
+		return i, false
+	}
+	i, ok := jsonString(b, i, text)
+	if !ok {
+		return i, false
+	}
+	i = skipSpace(b, i)
+	if i >= len(b) || b[i] != ':' {
+		return i, false
+	}
+	return i + 1, true
+}
+
+// SWAR constants: one in every byte, and the high bit of every byte.
+const (
+	lsb = 0x0101010101010101
+	msb = 0x8080808080808080
+)
+
+// jsonString reads the string whose opening quote is at i and returns the
+// index after its closing quote. Invalid UTF-8 clears *text but is not a
+// syntax error.
+func jsonString(b []byte, i int, text *bool) (int, bool) {
+	i++
+	for {
+		// Eight plain bytes at a time: no quote, backslash, control or
+		// non-ASCII byte (a false alarm only sends a word to the slow path).
+		for i+8 <= len(b) {
+			v := binary.LittleEndian.Uint64(b[i:])
+			q, bs := v^('"'*lsb), v^('\\'*lsb)
+			if ((v-0x20*lsb)&^v|(q-lsb)&^q|(bs-lsb)&^bs|v)&msb == 0 {
+				i += 8
+				continue
+			}
+			break
+		}
+		if i >= len(b) {
+			return i, false
+		}
+		switch c := b[i]; {
+		case c == '"':
+			return i + 1, true
+		case c == '\\':
+			if i+1 >= len(b) {
+				return i, false
+			}
+			switch b[i+1] {
+			case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
+				i += 2
+			case 'u':
+				if i+6 > len(b) {
+					return i, false
+				}
+				for _, h := range b[i+2 : i+6] {
+					if !('0' <= h && h <= '9' || 'a' <= h && h <= 'f' || 'A' <= h && h <= 'F') {
+						return i, false
+					}
+				}
+				i += 6
+			default:
+				return i, false
+			}
+		case c < 0x20:
+			return i, false
+		case c < utf8.RuneSelf:
+			i++
+		default:
+			r, n := utf8.DecodeRune(b[i:])
+			if r == utf8.RuneError && n == 1 {
+				*text = false
+			}
+			i += n
+		}
+	}
+}
+
+// jsonNumber reads the number at i: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?
+func jsonNumber(b []byte, i int) (int, bool) {
+	digits := func(i int) (int, bool) {
+		j := i
+		for j < len(b) && '0' <= b[j] && b[j] <= '9' {
+			j++
+		}
+		return j, j > i
+	}
+	if i < len(b) && b[i] == '-' {
+		i++
+	}
+	if i >= len(b) {
+		return i, false
+	}
+	if b[i] == '0' {
+		i++
+	} else if '1' <= b[i] && b[i] <= '9' {
+		i, _ = digits(i)
+	} else {
+		return i, false
+	}
+	var ok bool
+	if i < len(b) && b[i] == '.' {
+		if i, ok = digits(i + 1); !ok {
+			return i, false
+		}
+	}
+	if i < len(b) && (b[i] == 'e' || b[i] == 'E') {
+		i++
+		if i < len(b) && (b[i] == '+' || b[i] == '-') {
+			i++
+		}
+		if i, ok = digits(i); !ok {
+			return i, false
+		}
+	}
+	return i, true
 }
 
 // tooDeep reports whether b opens more than max arrays or objects at once,

@@ -27,7 +27,7 @@ func unreported() Usage {
 // response. ok is false when the body is not a valid JSON object or has no
 // usage object (absent or null). The body is not retained.
 func ParseUsage(body []byte) (u Usage, ok bool) {
-	if firstByte(body) != '{' || tooDeep(body, MaxDepth) || !gjson.ValidBytes(body) {
+	if firstByte(body) != '{' || !wellFormed(body) {
 		return unreported(), false
 	}
 	return usageOf(gjson.Parse(view(body)))

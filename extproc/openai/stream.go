@@ -226,7 +226,7 @@ func (p *StreamParser) handle(data []byte) bool {
 		p.done = true
 		return false
 	}
-	if firstByte(data) != '{' || tooDeep(data, MaxDepth) || !gjson.ValidBytes(data) {
+	if firstByte(data) != '{' || !wellFormed(data) {
 		p.malformed++
 		return false
 	}
