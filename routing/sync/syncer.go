@@ -315,6 +315,17 @@ func (s *Syncer) Start(e Engine) error {
 		return fmt.Errorf("sync: subscribe %s.*: %w", s.cfg.SubjectPrefix, err)
 	}
 	s.nc, s.sub = nc, sub
+	// A round trip to the server (PING/PONG after the SUB) makes
+	// "connected" mean "hearing peers": before it, the server may not have
+	// registered the subscription, and what peers publish meanwhile is
+	// lost (seen in TestHostileMessages). Bounded: a slow server only
+	// delays Start by subscribeFlushTimeout, and the periodic snapshots
+	// repair anything missed.
+	if nc.IsConnected() {
+		if ferr := nc.FlushTimeout(subscribeFlushTimeout); ferr != nil {
+			s.log.Warn("NATS did not confirm the subscription in time", "err", ferr)
+		}
+	}
 	if nc.IsConnected() {
 		s.setConnected(nc, true, "")
 	} else {
@@ -325,6 +336,10 @@ func (s *Syncer) Start(e Engine) error {
 	go s.run()
 	return nil
 }
+
+// subscribeFlushTimeout bounds Start's wait for the server to confirm the
+// subscription.
+const subscribeFlushTimeout = 2 * time.Second
 
 func (s *Syncer) natsOptions() ([]nats.Option, error) {
 	c := &s.cfg
