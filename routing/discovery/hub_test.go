@@ -3,9 +3,12 @@ package discovery_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -332,11 +335,40 @@ func FuzzDecodeRecord(f *testing.F) {
 			}
 			return
 		}
-		s := routing.EndpointSet{Endpoints: []routing.Endpoint{ep}}
+		s := routing.EndpointSet{Endpoints: resolvePlaceholders(t, []routing.Endpoint{ep})}
 		if err := s.Validate(); err != nil {
 			t.Fatalf("accepted record fails set validation: %v", err)
 		}
 	})
+}
+
+// resolvePlaceholders stands in for routing/discovery/dns: a record may name
+// its host (checked by CheckRecord), and the set reaches routing only with
+// each name replaced by an IP. Here every name gets a distinct documentation
+// address (2001:db8::/32) not otherwise in the set, keeping the port.
+func resolvePlaceholders(t *testing.T, eps []routing.Endpoint) []routing.Endpoint {
+	t.Helper()
+	used := make(map[routing.EndpointKey]bool, len(eps))
+	for _, e := range eps {
+		used[e.Key] = true
+	}
+	out := slices.Clone(eps)
+	next := 1
+	for i := range out {
+		name, port, err := discovery.ParseName(string(out[i].Key))
+		if err != nil || name == "" {
+			continue
+		}
+		for {
+			k := routing.EndpointKey(net.JoinHostPort(fmt.Sprintf("2001:db8::%x", next), strconv.Itoa(int(port))))
+			next++
+			if !used[k] {
+				used[k], out[i].Key = true, k
+				break
+			}
+		}
+	}
+	return out
 }
 
 func FuzzParseEndpointsFile(f *testing.F) {
@@ -348,6 +380,7 @@ func FuzzParseEndpointsFile(f *testing.F) {
 		if err != nil {
 			return
 		}
+		set.Endpoints = resolvePlaceholders(t, set.Endpoints)
 		if err := set.Validate(); err != nil {
 			t.Fatalf("parsed set fails validation: %v", err)
 		}
