@@ -79,9 +79,18 @@ func (r *Result) Throughput() float64 {
 // ChatBodies returns n distinct chat completion bodies of about size bytes
 // each for model.
 func ChatBodies(n, size int, model string) [][]byte {
+	return ChatBodiesFrom(0, n, size, model)
+}
+
+// ChatBodiesFrom returns the chat bodies numbered first to first+n-1. Each
+// body's content starts with its number, so bodies of different numbers share
+// no prompt prefix beyond the message's first word, and runs that take
+// disjoint ranges never repeat a prompt.
+func ChatBodiesFrom(first, n, size int, model string) [][]byte {
 	out := make([][]byte, n)
 	words := []string{"route", "prefix", "cache", "tokens", "worker", "gateway", "envoy", "latency", "batch", "session"}
-	for i := range out {
+	for k := range out {
+		i := first + k
 		var b strings.Builder
 		fmt.Fprintf(&b, `{"model":%q,"messages":[{"role":"user","content":"request %d:`, model, i)
 		for j := 0; b.Len() < size-4; j++ {
@@ -89,7 +98,7 @@ func ChatBodies(n, size int, model string) [][]byte {
 			b.WriteString(words[(i*7+j*3)%len(words)])
 		}
 		b.WriteString(`"}]}`)
-		out[i] = []byte(b.String())
+		out[k] = []byte(b.String())
 	}
 	return out
 }
