@@ -6,6 +6,7 @@ import (
 	"runtime"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/kvbandit/kvbandit/routing/clock"
 )
@@ -161,43 +162,77 @@ func BenchmarkIndexApply(b *testing.B) {
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(applyEvent*b.N), "ns/block")
 }
 
-// BenchmarkIndexMemory indexes 2^20 blocks and reports live heap bytes
-// per (block, worker) entry (budget: 100) and per block.
+// BenchmarkIndexMemory indexes 10^5, 10^6 and 10^7 distinct blocks (one
+// worker each, from KV events and from approximate inserts; two and four
+// workers at 10^6) and reports live heap bytes per (block, worker) entry
+// (budget: 100) and per block, the hash tables' share of them
+// (table-B/block: 24-byte slots, grown by doubling at 3/4 load) and their
+// load (keys per slot), and the build's time per block. At -benchtime=1x
+// the 10^7 cases hold about 1 GB and take seconds each to build.
 func BenchmarkIndexMemory(b *testing.B) {
-	const blocks = 1 << 20
-	for _, tc := range []struct {
+	type memCase struct {
 		name     string
+		blocks   int
 		replicas int // workers holding each block
 		approx   bool
-	}{
-		{"events/replicas=1", 1, false},
-		{"events/replicas=2", 2, false},
-		{"events/replicas=4", 4, false},
-		{"approx/replicas=1", 1, true},
-	} {
-		b.Run(tc.name, func(b *testing.B) {
+	}
+	var cases []memCase
+	for _, blocks := range []int{100_000, 1_000_000, 10_000_000} {
+		cases = append(cases,
+			memCase{"events/replicas=1", blocks, 1, false},
+			memCase{"approx/replicas=1", blocks, 1, true})
+	}
+	cases = append(cases,
+		memCase{"events/replicas=2", 1_000_000, 2, false},
+		memCase{"events/replicas=4", 1_000_000, 4, false})
+	for _, tc := range cases {
+		b.Run(fmt.Sprintf("%s/blocks=%d", tc.name, tc.blocks), func(b *testing.B) {
 			b.ReportAllocs()
-			var perEntry, perBlock float64
+			var perEntry, perBlock, tablePerBlock, load, build float64
 			for range b.N {
 				runtime.GC()
 				var before, after runtime.MemStats
 				runtime.ReadMemStats(&before)
-				ix := buildIndex(b, blocks, tc.replicas, tc.approx)
+				start := time.Now()
+				ix := buildIndex(b, tc.blocks, tc.replicas, tc.approx)
+				build = float64(time.Since(start).Nanoseconds()) / float64(tc.blocks*tc.replicas)
 				runtime.GC()
 				runtime.ReadMemStats(&after)
 				st := ix.Stats()
-				if st.Blocks != blocks || st.Entries != int64(blocks*tc.replicas) {
+				if st.Blocks != int64(tc.blocks) || st.Entries != int64(tc.blocks*tc.replicas) {
 					b.Fatalf("stats %+v", st)
 				}
 				live := float64(after.HeapAlloc) - float64(before.HeapAlloc)
 				perEntry, perBlock = live/float64(st.Entries), live/float64(st.Blocks)
+				slots := tableSlots(ix)
+				tablePerBlock = float64(slots*int(unsafe.Sizeof(slot{}))) / float64(st.Blocks)
+				load = float64(st.Blocks) / float64(slots)
 				runtime.KeepAlive(ix)
 				ix.Close()
 			}
 			b.ReportMetric(perEntry, "B/entry")
 			b.ReportMetric(perBlock, "B/block")
+			b.ReportMetric(tablePerBlock, "table-B/block")
+			b.ReportMetric(load, "load")
+			b.ReportMetric(build, "build-ns/entry")
 		})
 	}
+}
+
+// tableSlots counts the slots of every shard's table over all key spaces.
+func tableSlots(ix *Index) int {
+	n := 0
+	for _, sp := range *ix.spaces.Load() {
+		for i := range sp.shards {
+			sh := &sp.shards[i]
+			sh.mu.RLock()
+			if a := sh.tab.cur; a != nil {
+				n += len(a.slots)
+			}
+			sh.mu.RUnlock()
+		}
+	}
+	return n
 }
 
 // buildIndex indexes blocks distinct blocks, each held by replicas of 8
@@ -207,7 +242,7 @@ func buildIndex(b *testing.B, blocks, replicas int, approx bool) *Index {
 	// A virtual clock: a stopped runtime timer may pin a closed index until
 	// the runtime sweeps its timer heap, which would skew the next run.
 	v := clock.NewVirtual(time.Now())
-	ix, err := New(Options{Clock: v, TTL: time.Hour, MaxEntries: 1 << 30})
+	ix, err := New(Options{Clock: v, TTL: time.Hour, MaxEntries: 1 << 30, MaxEventEntries: 1 << 30})
 	if err != nil {
 		b.Fatal(err)
 	}
