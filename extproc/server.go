@@ -237,6 +237,10 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 	s.streams.Add(1)
 	defer s.streams.Add(-1)
 
+	// gRPC runs each stream's handler on a new goroutine; the end of a
+	// stream (a decision's Done, its timers) runs here and would grow the
+	// small stack, copying gRPC's frames each time.
+	reserveStack(1)
 	ctx := stream.Context()
 	p := newProcessor(s)
 	defer p.close()
@@ -376,10 +380,10 @@ func (r *run) receive(ctx context.Context) {
 
 // receiveStackBytes is the stack the receive loop reaches on a request
 // exchange (gRPC's Recv and proto decoding, parsing, Pick, Send), measured
-// with the exchange benchmark's profile. A new goroutine starts small and
-// doubles its stack each time a call runs out, copying every frame above it
-// each time; growing once, at the loop's start where there is one frame to
-// copy, costs a fraction of that.
+// with the exchange benchmark's profile, and enough for Process's end of a
+// stream. A new goroutine starts small and doubles its stack each time a
+// call runs out, copying every frame above it each time; growing once, at
+// the start where there are few frames to copy, costs a fraction of that.
 const receiveStackBytes = 16 << 10
 
 // reserveStack makes the calling goroutine's stack at least

@@ -213,6 +213,13 @@ type Options struct {
 	// a burst of distinct prompts then cannot push the table to its cap and
 	// into pruning.
 	InsertBlocksPerSecond int
+	// InsertTokensPerRank bounds, in the same way, the tokens (blocks ×
+	// block size) approximate inserts add per second for one rank (default
+	// DefaultInsertTokensPerRank; negative: no bound). A rank cannot have
+	// cached more than it prefilled, and no engine rank prefills much beyond
+	// the default a second, so blocks over it describe cache the rank never
+	// built.
+	InsertTokensPerRank int
 }
 
 // insert is one approximate index insert queued off the request path.
@@ -237,6 +244,12 @@ const (
 	// DefaultInsertBlocksPerSecond is 1/16 of the index's default cap
 	// (kvindex.DefaultMaxEntries) per second.
 	DefaultInsertBlocksPerSecond = 1 << 16
+	// DefaultInsertTokensPerRank is 65,536 tokens a second (4096 blocks of
+	// 16), above the prefill throughput of one engine rank serving the
+	// models a router is put in front of (an 8B model's prefill costs about
+	// 16 GFLOP a token: some 40k tokens a second on an H100 at a realistic
+	// 700 TFLOP/s).
+	DefaultInsertTokensPerRank = 1 << 16
 )
 
 func (o *Options) defaults() {
@@ -264,26 +277,27 @@ func (o *Options) defaults() {
 	if o.InsertBlocksPerSecond == 0 {
 		o.InsertBlocksPerSecond = DefaultInsertBlocksPerSecond
 	}
+	if o.InsertTokensPerRank == 0 {
+		o.InsertTokensPerRank = DefaultInsertTokensPerRank
+	}
 	o.TierWeights = o.TierWeights.OrDefault()
 	o.Ejection.defaults()
 }
 
-// insertBudget is the token bucket of InsertBlocksPerSecond.
-type insertBudget struct {
-	mu      sync.Mutex
-	rate    float64 // blocks per second; <= 0: unbounded
-	blocks  float64 // available, at most rate
-	at      time.Time
-	limited atomic.Int64 // blocks not inserted for want of budget
+// bucket is a token bucket of blocks per second with a burst of one
+// second's worth; rate <= 0 is unbounded. Its owner serialises it.
+type bucket struct {
+	rate   float64 // blocks per second
+	blocks float64 // available, at most rate
+	at     time.Time
 }
 
-// take returns how many of want blocks may be inserted at now (a prefix of
-// them), and spends them.
-func (b *insertBudget) take(want int, now time.Time) int {
+// avail refills the bucket to now and returns the whole blocks it holds
+// (or want when unbounded), at most want.
+func (b *bucket) avail(want int, now time.Time) int {
 	if b.rate <= 0 {
 		return want
 	}
-	b.mu.Lock()
 	if dt := now.Sub(b.at); dt > 0 || b.at.IsZero() {
 		b.blocks = min(b.rate, b.blocks+b.rate*dt.Seconds())
 		if b.at.IsZero() {
@@ -291,8 +305,30 @@ func (b *insertBudget) take(want int, now time.Time) int {
 		}
 		b.at = now
 	}
-	got := min(want, int(b.blocks))
-	b.blocks -= float64(got)
+	return min(want, int(b.blocks))
+}
+
+// spend takes n blocks that avail granted.
+func (b *bucket) spend(n int) {
+	if b.rate > 0 {
+		b.blocks -= float64(n)
+	}
+}
+
+// insertBudget is the engine-wide bucket of InsertBlocksPerSecond.
+type insertBudget struct {
+	mu      sync.Mutex
+	b       bucket
+	limited atomic.Int64 // blocks not inserted for want of budget
+}
+
+// take returns how many of want blocks may be inserted at now (a prefix of
+// them), at most allow (the rank's own budget), spends them, and counts the
+// rest as limited.
+func (b *insertBudget) take(want, allow int, now time.Time) int {
+	b.mu.Lock()
+	got := b.b.avail(allow, now)
+	b.b.spend(got)
 	b.mu.Unlock()
 	if got < want {
 		b.limited.Add(int64(want - got))
@@ -318,6 +354,9 @@ type rankState struct {
 	recentMu sync.Mutex
 	recent   [4]recentChain
 	recentAt int
+	// budget is the rank's InsertTokensPerRank bucket, in tokens (under
+	// recentMu).
+	budget bucket
 }
 
 type recentChain struct {
@@ -327,8 +366,9 @@ type recentChain struct {
 
 // fresh returns the keys not inserted for this rank within the last
 // second (those after the longest prefix shared with a recent chain), cut
-// to the count b allows, and records what it returns as inserted at now.
-func (r *rankState) fresh(keys []uint64, now time.Time, b *insertBudget) []uint64 {
+// to the count the rank's budget (blocks of bs tokens) and b allow, and
+// records what it returns as inserted at now.
+func (r *rankState) fresh(keys []uint64, bs int, now time.Time, b *insertBudget) []uint64 {
 	r.recentMu.Lock()
 	defer r.recentMu.Unlock()
 	skip := 0
@@ -343,7 +383,9 @@ func (r *rankState) fresh(keys []uint64, now time.Time, b *insertBudget) []uint6
 		r.record(keys, now)
 		return nil
 	}
-	got := b.take(len(keys)-skip, now)
+	want := len(keys) - skip
+	got := b.take(want, r.budget.avail(want*bs, now)/bs, now)
+	r.budget.spend(got * bs)
 	if skip+got > 0 {
 		r.record(keys[:skip+got], now)
 	}
@@ -439,7 +481,7 @@ func NewEngine(p Policy, opts Options, deps Deps) (*Engine, error) {
 		e.queue = q
 	}
 	e.bufs.New = func() any { return &scratch{} }
-	e.budget.rate = float64(opts.InsertBlocksPerSecond)
+	e.budget.b.rate = float64(opts.InsertBlocksPerSecond)
 	if !opts.SyncIndex {
 		e.inserts = make(chan insert, insertQueue)
 		e.insertsDone = make(chan struct{})
@@ -714,7 +756,7 @@ func (e *Engine) newLive(ep Endpoint) *Live {
 		if n == 1 {
 			rank = -1
 		}
-		l.ranks[r] = &rankState{slot: &slots.Slot{}, worker: e.index.Worker(string(ep.Key), rank)}
+		l.ranks[r] = &rankState{slot: &slots.Slot{}, worker: e.index.Worker(string(ep.Key), rank), budget: bucket{rate: float64(e.opts.InsertTokensPerRank)}}
 	}
 	return l
 }
@@ -1072,8 +1114,8 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 // worker now caches keys (approximate mode): a committed decision's prompt
 // ([Engine.Pick]) or a peer replica's ([Engine.StartRemote]). Keys already
 // inserted for the rank within the last second are skipped, and the rest
-// are bounded by Options.MaxInsertBlocks and InsertBlocksPerSecond. keys
-// is retained.
+// are bounded by Options.MaxInsertBlocks, InsertTokensPerRank and
+// InsertBlocksPerSecond. keys is retained.
 func (e *Engine) insertApprox(rs *rankState, bs int, keys []uint64, now time.Time) {
 	if rs.eventFed.Load() || len(keys) == 0 {
 		return
@@ -1082,7 +1124,7 @@ func (e *Engine) insertApprox(rs *rankState, bs int, keys []uint64, now time.Tim
 		e.budget.limited.Add(int64(len(keys) - m))
 		keys = keys[:m]
 	}
-	fresh := rs.fresh(keys, now, &e.budget)
+	fresh := rs.fresh(keys, bs, now, &e.budget)
 	if len(fresh) == 0 {
 		return
 	}

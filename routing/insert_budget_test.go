@@ -66,9 +66,53 @@ func TestMaxInsertBlocks(t *testing.T) {
 	}
 }
 
-// TestInsertBudgetUnbounded: negative options turn both bounds off.
+// TestInsertBudgetPerRank: each rank has its own per-second budget (1600
+// tokens: 100 blocks of 16) under the engine-wide one; a rank that spent its own still lets another rank
+// insert, and the engine-wide budget still caps the sum.
+func TestInsertBudgetPerRank(t *testing.T) {
+	vc := clock.NewVirtual(time.Unix(1000, 0))
+	e := engineWith(t, "round_robin", routing.Options{InsertTokensPerRank: 1600, InsertBlocksPerSecond: 150}, vc, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
+	entries := func() int64 { return e.Index().Stats().ApproxEntries }
+	// Round robin: the first two prompts go to different endpoints; each
+	// of 64 blocks fits its rank's budget.
+	first := pickDone(t, e, req(tokens(1024, 1)))
+	second := pickDone(t, e, req(tokens(1024, 1_000_000)))
+	if first.Endpoint == second.Endpoint {
+		t.Fatalf("round robin sent both prompts to %s", first.Endpoint)
+	}
+	if got := entries(); got != 128 {
+		t.Fatalf("after two prompts on two ranks: %d entries, want 128", got)
+	}
+	// The third goes to the first rank: 36 left of its 100, and 22 left of
+	// the engine's 150 — the engine's bound wins.
+	third := pickDone(t, e, req(tokens(1024, 2_000_000)))
+	if third.Endpoint != first.Endpoint {
+		t.Fatalf("third prompt on %s, want %s", third.Endpoint, first.Endpoint)
+	}
+	if got, lim := entries(), e.InsertBlocksLimited(); got != 150 || lim != 42 {
+		t.Fatalf("after the third prompt: %d entries, %d limited; want 150, 42", got, lim)
+	}
+	// A second later both refill: the first rank's own bound (100) cuts
+	// a 128-block prompt under the engine's 150; then the second rank gets
+	// what the engine has left (50) of a 64-block prompt.
+	vc.Step(time.Second)
+	pickDone(t, e, req(tokens(8, 3_000_000))) // second rank, no complete block
+	fourth := pickDone(t, e, req(tokens(2048, 4_000_000)))
+	if fourth.Endpoint != first.Endpoint {
+		t.Fatalf("fourth prompt on %s, want %s", fourth.Endpoint, first.Endpoint)
+	}
+	if got, lim := entries(), e.InsertBlocksLimited(); got != 250 || lim != 42+28 {
+		t.Fatalf("a second later: %d entries, %d limited; want 250, %d", got, lim, 42+28)
+	}
+	pickDone(t, e, req(tokens(1024, 5_000_000)))
+	if got, lim := entries(), e.InsertBlocksLimited(); got != 300 || lim != 42+28+14 {
+		t.Fatalf("last prompt: %d entries, %d limited; want 300, %d", got, lim, 42+28+14)
+	}
+}
+
+// TestInsertBudgetUnbounded: negative options turn the bounds off.
 func TestInsertBudgetUnbounded(t *testing.T) {
-	e := engineWith(t, "kv", routing.Options{MaxInsertBlocks: -1, InsertBlocksPerSecond: -1}, nil, ep("10.0.0.1:8000"))
+	e := engineWith(t, "kv", routing.Options{MaxInsertBlocks: -1, InsertBlocksPerSecond: -1, InsertTokensPerRank: -1}, nil, ep("10.0.0.1:8000"))
 	for i := range 4 {
 		pickDone(t, e, req(tokens(20_000*16, uint32(1+i)*50_000_000)))
 	}
