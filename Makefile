@@ -100,7 +100,7 @@ tools-gie: ## build GIE's endpoint picker (epp v1.5.0) from its tools module, fo
 	bash tools/build.sh epp
 
 .PHONY: bench-vs-gie
-bench-vs-gie: fixtures tools tools-gie ## kvbandit vs GIE's EPP v1.5.0 on one InferencePool, same open-loop ext_proc load (KVBANDIT_GIE_RATE=2000, KVBANDIT_GIE_SECONDS=10); not CI
+bench-vs-gie: fixtures tools tools-gie ## the floor picker, kvbandit (with and without a tokenizer) and GIE's EPP v1.5.0 on one InferencePool, same open-loop ext_proc load of 4/64/256 KB bodies (KVBANDIT_GIE_CASES=4096@2000,65536@150,262144@40 KVBANDIT_GIE_ROUNDS=3 KVBANDIT_GIE_SECONDS=10); not CI
 	$(GO) test -tags gie -count=1 -run BenchVsGIE -v -timeout 30m ./e2e/
 
 .PHONY: bench-sync
