@@ -201,7 +201,9 @@ func (c *PrefixCache) EncodeKeys(ctx context.Context, text string, spec KeySpec)
 	if withKeys {
 		// Entries never change once stored, so their keys are read
 		// without the lock.
-		keys = make([]uint64, 0, cap(out)/spec.BlockSize+1)
+		// The cached part's blocks, and those of the rest at 2 bytes or
+		// more per token (append grows it otherwise).
+		keys = make([]uint64, 0, (len(out)+(len(text)-prev)/2)/spec.BlockSize+1)
 		for _, h := range hits {
 			keys = c.reuseKeys(keys, out, h, spec)
 		}

@@ -163,3 +163,66 @@ func firstDiffKeys(a, b []uint64) int {
 	}
 	return min(len(a), len(b))
 }
+
+// BenchmarkPrefixCacheKeys is turn N+1 of a long Qwen3 conversation (about
+// 8k and 128k tokens; turns 1..N were encoded before) through a warm prefix
+// cache, with the prompt's block keys (16 tokens, unsalted): "fresh" encodes
+// and then hashes every block (kvindex.AppendBlockKeys, what the engine did
+// before), "cached" takes the keys of the cached turns from the cache and
+// hashes the rest. Each iteration encodes one of several variants of turn
+// N+1 (its last user message differs), so that most of the last turn is new.
+//
+//	go test -run '^$' -bench 'PrefixCacheKeys' -benchmem ./tokenizer/
+func BenchmarkPrefixCacheKeys(b *testing.B) {
+	base := shortCorpus(b)
+	tok := loadModel(b, "qwen3")
+	spec := KeySpec{BlockSize: 16, Seed: kvindex.BaseSeed}
+	for _, c := range []struct {
+		name         string
+		turns, vars int
+	}{{"tokens=8k", 7, 256}, {"tokens=128k", 107, 24}} {
+		prev := conversation(base, "qwen3", c.turns-1, "")
+		texts := make([]string, c.vars)
+		for i := range texts {
+			texts[i] = conversation(base, "qwen3", c.turns, fmt.Sprintf("%d ", i))
+		}
+		for _, impl := range []string{"fresh", "cached"} {
+			b.Run(c.name+"/impl="+impl, func(b *testing.B) {
+				pc := NewPrefixCache(tok, 256<<20, 0)
+				if _, _, err := pc.EncodeKeys(b.Context(), prev, spec); err != nil {
+					b.Fatal(err)
+				}
+				warm := pc.Stats()
+				var ntok int
+				b.ReportAllocs()
+				i := 0
+				for b.Loop() {
+					text := texts[i%len(texts)]
+					i++
+					if impl == "fresh" {
+						ids, err := pc.Encode(b.Context(), text)
+						if err != nil {
+							b.Fatal(err)
+						}
+						_ = kvindex.AppendBlockKeys(nil, ids, spec.BlockSize, spec.Seed)
+						ntok = len(ids)
+						continue
+					}
+					ids, _, err := pc.EncodeKeys(b.Context(), text, spec)
+					if err != nil {
+						b.Fatal(err)
+					}
+					ntok = len(ids)
+				}
+				st := pc.Stats()
+				b.ReportMetric(float64(ntok), "tokens")
+				b.ReportMetric(float64(st.MissBytes-warm.MissBytes)/float64(i), "encoded-B/op")
+				if impl == "cached" {
+					b.ReportMetric(float64(st.KeysHashed-warm.KeysHashed)/float64(i), "hashed-blocks/op")
+				} else {
+					b.ReportMetric(float64(ntok/spec.BlockSize), "hashed-blocks/op")
+				}
+			})
+		}
+	}
+}
