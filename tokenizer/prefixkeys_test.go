@@ -178,7 +178,7 @@ func BenchmarkPrefixCacheKeys(b *testing.B) {
 	tok := loadModel(b, "qwen3")
 	spec := KeySpec{BlockSize: 16, Seed: kvindex.BaseSeed}
 	for _, c := range []struct {
-		name         string
+		name        string
 		turns, vars int
 	}{{"tokens=8k", 7, 256}, {"tokens=128k", 107, 24}} {
 		prev := conversation(base, "qwen3", c.turns-1, "")
