@@ -8,27 +8,12 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
-	"github.com/kvbandit/kvbandit/routing/policy"
 )
 
 // keyedEngine is a kv-policy engine over eps whose Timings are recorded.
-func keyedEngine(t testing.TB, opts routing.Options, tm *[]routing.Timings, eps ...routing.Endpoint) *routing.Engine {
+func keyedEngine(t *testing.T, tm *[]routing.Timings, eps ...routing.Endpoint) *routing.Engine {
 	t.Helper()
-	rnd := routing.NewRand(1)
-	p, err := policy.Builtin().New("kv", policy.Deps{Rand: rnd})
-	if err != nil {
-		t.Fatal(err)
-	}
-	opts.SyncIndex = true
-	e, err := routing.NewEngine(p, opts, routing.Deps{Rand: rnd, Logger: quiet(), OnTimings: func(x routing.Timings) { *tm = append(*tm, x) }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(e.Close)
-	if err := e.Update(routing.EndpointSet{Endpoints: eps}); err != nil {
-		t.Fatal(err)
-	}
-	return e
+	return kvEngineDeps(t, 1, routing.Deps{OnTimings: func(x routing.Timings) { *tm = append(*tm, x) }}, eps...)
 }
 
 // TestPickUsesRequestKeys: a request's Keys replace hashing when they are
@@ -58,7 +43,7 @@ func TestPickUsesRequestKeys(t *testing.T) {
 			// A fresh engine whose endpoint caches the first 40 blocks
 			// (each decision inserts its keys).
 			var tm []routing.Timings
-			e := keyedEngine(t, routing.Options{}, &tm, ep("10.0.0.1:8000"))
+			e := keyedEngine(t, &tm, ep("10.0.0.1:8000"))
 			if got := e.KeyBlockSize(); got != routing.DefaultBlockSize {
 				t.Fatalf("KeyBlockSize before any decision = %d, want %d", got, routing.DefaultBlockSize)
 			}
@@ -90,7 +75,7 @@ func TestKeyBlockSize(t *testing.T) {
 	var tm []routing.Timings
 	big := ep("10.0.0.1:8000")
 	big.BlockSize = 64
-	e := keyedEngine(t, routing.Options{}, &tm, big)
+	e := keyedEngine(t, &tm, big)
 	d, err := e.Pick(t.Context(), req(tokens(300, 1)))
 	if err != nil {
 		t.Fatal(err)

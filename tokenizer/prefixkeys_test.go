@@ -74,25 +74,11 @@ func TestPrefixCacheKeys(t *testing.T) {
 func TestPrefixCacheKeysRandom(t *testing.T) {
 	pieces := []string{"<|im_start|>", "<|im_end|>", "<|im_", "start|>", "<s>", "</s>", "\n", "\n\n", " ", "a", "Hello", "é", "日本", "1234", "'s", "!", "😀"}
 	r := rand.New(rand.NewPCG(7, 8))
-	gen := func(n int) string {
-		var b []byte
-		for range n {
-			b = append(b, pieces[r.IntN(len(pieces))]...)
-		}
-		return string(b)
-	}
 	specs := []KeySpec{{BlockSize: 1, Seed: 1}, {BlockSize: 2, Seed: kvindex.BaseSeed}, {BlockSize: 2, Seed: 1}, {BlockSize: 16, Seed: kvindex.BaseSeed}, {}}
 	for _, name := range oracleModels {
 		tok := loadModel(t, name)
 		c := NewPrefixCache(tok, 1<<20, 8)
-		var texts []string
-		for i := range 400 {
-			text := gen(1 + r.IntN(60))
-			if len(texts) > 0 && i%4 != 0 {
-				p := texts[r.IntN(len(texts))]
-				text = p[:r.IntN(len(p)+1)] + text
-			}
-			texts = append(texts, text)
+		for _, text := range sharedPrefixTexts(r, pieces, 400) {
 			spec := specs[r.IntN(len(specs))]
 			ids, keys, err := c.EncodeKeys(t.Context(), text, spec)
 			if err != nil {
