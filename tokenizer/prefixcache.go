@@ -56,9 +56,9 @@ type PrefixCache struct {
 	children map[uint64][]int // parent chain hash -> ends of stored chunks
 	bytes    int64
 
-	hits, misses        atomic.Int64 // chunks
-	hitBytes, missBytes atomic.Int64 // text bytes
-	keysReused, hashed  atomic.Int64 // block keys
+	hits, misses           atomic.Int64 // chunks
+	hitBytes, missBytes    atomic.Int64 // text bytes
+	keysReused, keysHashed atomic.Int64 // block keys
 }
 
 // KeySpec names the block keys [PrefixCache.EncodeKeys] computes: blocks of
@@ -136,7 +136,7 @@ func (c *PrefixCache) Stats() PrefixCacheStats {
 	return PrefixCacheStats{
 		Hits: c.hits.Load(), Misses: c.misses.Load(),
 		HitBytes: c.hitBytes.Load(), MissBytes: c.missBytes.Load(),
-		KeysReused: c.keysReused.Load(), KeysHashed: c.hashed.Load(),
+		KeysReused: c.keysReused.Load(), KeysHashed: c.keysHashed.Load(),
 		Entries: n, Bytes: b,
 	}
 }
@@ -199,10 +199,9 @@ func (c *PrefixCache) EncodeKeys(ctx context.Context, text string, spec KeySpec)
 	c.mu.Unlock()
 
 	if withKeys {
-		// Entries never change once stored, so their keys are read
-		// without the lock.
-		// The cached part's blocks, and those of the rest at 2 bytes or
-		// more per token (append grows it otherwise).
+		// Room for the cached part's blocks and those of the rest at 2
+		// bytes or more per token (append grows it otherwise). Entries
+		// never change once stored: their keys are read without the lock.
 		keys = make([]uint64, 0, (len(out)+(len(text)-prev)/2)/spec.BlockSize+1)
 		for _, h := range hits {
 			keys = c.reuseKeys(keys, out, h, spec)
@@ -297,7 +296,7 @@ func (c *PrefixCache) extendKeys(keys []uint64, ids []uint32, spec KeySpec) []ui
 	n := len(keys)
 	keys = kvindex.ExtendBlockKeys(keys, ids, spec.BlockSize, spec.Seed)
 	if d := len(keys) - n; d > 0 {
-		c.hashed.Add(int64(d))
+		c.keysHashed.Add(int64(d))
 	}
 	return keys
 }
