@@ -56,9 +56,9 @@ const (
 // TokenizeRequest fills req's tokens with tok, bounded by timeout, or with
 // the byte-based estimate when tok is nil or fails; a [KeyTokenizer] fills
 // req's block keys too, for req's seed (its LoRA and cache salt, so they
-// must be set before). fallback is "" when tok
-// succeeded, else one of the Fallback reasons; err is the tokenizer's error
-// (for a log line: req is filled either way).
+// must be set before). fallback is "" when tok succeeded, else one of the
+// Fallback reasons; err is the tokenizer's error (for a log line: req is
+// filled either way).
 func TokenizeRequest(ctx context.Context, tok Tokenizer, timeout time.Duration, parsed *openai.Request, body []byte, req *routing.Request) (fallback string, err error) {
 	fallback = FallbackNoTokenizer
 	if tok != nil {
