@@ -113,6 +113,13 @@ func TestRealTokenizer(t *testing.T) {
 	if n := metric(samples, "kvbandit_tokenizer_cache_hits_total", nil); n == 0 {
 		t.Error("no tokenizer prefix-cache hits for a growing conversation")
 	}
+	// ... and the block keys of the history, which the engine uses.
+	if n := metric(samples, "kvbandit_tokenizer_cache_block_keys_total", map[string]string{"source": "reused"}); n == 0 {
+		t.Error("no block keys reused from the tokenizer's prefix cache")
+	}
+	if n := metric(samples, "kvbandit_hashed_blocks_total", nil); n != 0 {
+		t.Errorf("the engine hashed %v blocks: the tokenizer's keys were not used", n)
+	}
 	// Qwen3's template has a compiled fast path: none of the 4 renders
 	// needed the Jinja engine.
 	if f, e := metric(samples, "kvbandit_chat_render_total", map[string]string{"path": "fast"}),

@@ -8,6 +8,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/openai"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/tokenizer/models"
 )
 
@@ -53,17 +54,28 @@ const (
 )
 
 // TokenizeRequest fills req's tokens with tok, bounded by timeout, or with
-// the byte-based estimate when tok is nil or fails. fallback is "" when tok
-// succeeded, else one of the Fallback reasons; err is the tokenizer's error
-// (for a log line: req is filled either way).
+// the byte-based estimate when tok is nil or fails; a [KeyTokenizer] fills
+// req's block keys too, for req's seed (its LoRA and cache salt, so they
+// must be set before). fallback is "" when tok succeeded, else one of the
+// Fallback reasons; err is the tokenizer's error (for a log line: req is
+// filled either way).
 func TokenizeRequest(ctx context.Context, tok Tokenizer, timeout time.Duration, parsed *openai.Request, body []byte, req *routing.Request) (fallback string, err error) {
 	fallback = FallbackNoTokenizer
 	if tok != nil {
 		tctx, cancel := context.WithTimeout(ctx, timeout)
-		ids, terr := tok.Encode(tctx, parsed, body)
+		var (
+			ids  []uint32
+			keys routing.BlockKeys
+			terr error
+		)
+		if kt, ok := tok.(KeyTokenizer); ok {
+			ids, keys, terr = kt.EncodeKeys(tctx, parsed, body, kvindex.Seed(req.LoRA, req.CacheSalt))
+		} else {
+			ids, terr = tok.Encode(tctx, parsed, body)
+		}
 		cancel()
 		if terr == nil {
-			req.Tokens, req.TokenCount = ids, len(ids)
+			req.Tokens, req.TokenCount, req.Keys = ids, len(ids), keys
 			return "", nil
 		}
 		err = terr

@@ -145,6 +145,9 @@ type Gate interface {
 type Timings struct {
 	// Hash is computing the prompt's block keys.
 	Hash time.Duration
+	// HashedBlocks is how many block keys the engine hashed (0 when it
+	// used the request's Keys).
+	HashedBlocks int
 	// Lookup is the KV index and in-flight walks for every candidate.
 	Lookup time.Duration
 	// Score is the policy's Choose.
@@ -444,6 +447,9 @@ type Engine struct {
 	insertsDrop  atomic.Int64
 	closeInserts sync.Once
 	budget       insertBudget
+	// keyBlockSize is the block size of the last prompt hashed or keyed
+	// (KeyBlockSize).
+	keyBlockSize atomic.Int64
 
 	// mu serialises Update (the writer side only).
 	mu sync.Mutex
@@ -577,6 +583,16 @@ func (e *Engine) Rand() *Rand { return e.rnd }
 
 // Clock returns the engine's clock.
 func (e *Engine) Clock() clock.Clock { return e.clk }
+
+// KeyBlockSize is the block size a caller should precompute a request's
+// Keys at: that of the first candidate of the last decision (endpoints
+// report their own), Options.BlockSize before any decision.
+func (e *Engine) KeyBlockSize() int {
+	if bs := e.keyBlockSize.Load(); bs > 0 {
+		return int(bs)
+	}
+	return e.opts.BlockSize
+}
 
 // Update validates set and publishes it. On a validation error the current
 // snapshot stays and the error is returned. Live counters of endpoints that
@@ -926,11 +942,19 @@ func (e *Engine) decide(req *Request, commit bool) (*Decision, error) {
 		if timed {
 			th = time.Now()
 		}
-		ks := keySpace{bs: bs, keys: kvindex.AppendBlockKeys(nil, req.Tokens, bs, seed)}
+		ks := keySpace{bs: bs}
+		var given bool
+		if ks.keys, given = req.Keys.For(bs, seed, req.Tokens); !given {
+			ks.keys = kvindex.AppendBlockKeys(nil, req.Tokens, bs, seed)
+			tm.HashedBlocks += len(ks.keys)
+		}
 		if timed {
 			tm.Hash += time.Since(th)
 		}
 		if len(spaceList) == 0 {
+			if int64(bs) != e.keyBlockSize.Load() {
+				e.keyBlockSize.Store(int64(bs))
+			}
 			ks.index = e.index.Overlaps(bs, ks.keys, sb.index[:0])
 			sb.index = ks.index
 		} else {

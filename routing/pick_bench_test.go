@@ -35,6 +35,12 @@ func BenchmarkPick(b *testing.B) {
 }
 
 func benchPick(b *testing.B, pol string, n, ntok int) {
+	benchPickWith(b, pol, n, ntok, nil)
+}
+
+// benchPickWith is benchPick with the measured request prepared by prep
+// (nil: none).
+func benchPickWith(b *testing.B, pol string, n, ntok int, prep func(*routing.Request)) {
 	eps := make([]routing.Endpoint, n)
 	for i := range eps {
 		eps[i] = routing.Endpoint{Key: routing.EndpointKey(fmt.Sprintf("10.%d.%d.1:8000", i/250, i%250))}
@@ -69,6 +75,9 @@ func benchPick(b *testing.B, pol string, n, ntok int) {
 		open = append(open, d)
 	}
 	r := req(family)
+	if prep != nil {
+		prep(r)
+	}
 	b.ReportAllocs()
 	b.ResetTimer()
 	for b.Loop() {

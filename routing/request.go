@@ -131,6 +131,10 @@ type Request struct {
 	// Tokens are the prompt's token ids; nil when the prompt was not
 	// tokenized.
 	Tokens []uint32
+	// Keys are optional precomputed block keys of Tokens (for instance
+	// from the tokenizer's prefix cache); the engine uses them instead of
+	// hashing Tokens where they fit (see [BlockKeys]).
+	Keys BlockKeys
 	// TokenCount is the prompt length in tokens: len(Tokens) or an
 	// estimate when Estimated is set.
 	TokenCount int
@@ -151,6 +155,28 @@ type Request struct {
 	Subset *Subset
 	// Arrival is when the request reached kvbandit.
 	Arrival time.Time
+}
+
+// BlockKeys are the chained keys of a prompt's complete blocks for one block
+// size and seed: kvindex.AppendBlockKeys(nil, Tokens, BlockSize, Seed). The
+// engine uses them for the endpoints whose block size is BlockSize when Seed
+// is the request's (kvindex.Seed(LoRA, CacheSalt)) and there is one key per
+// complete block of Tokens, and hashes Tokens otherwise. It keeps Keys past
+// Pick (the decision's in-flight blocks, the index insert) and never
+// modifies them, so the caller must not modify them either.
+type BlockKeys struct {
+	BlockSize int
+	Seed      uint64
+	Keys      []uint64
+}
+
+// For returns the keys for blocks of bs tokens of tokens with seed, and
+// whether k holds them.
+func (k BlockKeys) For(bs int, seed uint64, tokens []uint32) ([]uint64, bool) {
+	if bs <= 0 || k.BlockSize != bs || k.Seed != seed || len(k.Keys) != len(tokens)/bs {
+		return nil, false
+	}
+	return k.Keys, true
 }
 
 // Errors returned by Pick; the ext_proc layer maps them to HTTP statuses.

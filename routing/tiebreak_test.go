@@ -12,12 +12,19 @@ import (
 // applied in-line.
 func kvEngine(t *testing.T, seed int64, eps ...routing.Endpoint) *routing.Engine {
 	t.Helper()
+	return kvEngineDeps(t, seed, routing.Deps{}, eps...)
+}
+
+// kvEngineDeps is kvEngine with deps (their Rand and Logger are set).
+func kvEngineDeps(t *testing.T, seed int64, deps routing.Deps, eps ...routing.Endpoint) *routing.Engine {
+	t.Helper()
 	rnd := routing.NewRand(seed)
 	p, err := policy.Builtin().New("kv", policy.Deps{Rand: rnd})
 	if err != nil {
 		t.Fatal(err)
 	}
-	e, err := routing.NewEngine(p, routing.Options{SyncIndex: true}, routing.Deps{Rand: rnd, Logger: quiet()})
+	deps.Rand, deps.Logger = rnd, quiet()
+	e, err := routing.NewEngine(p, routing.Options{SyncIndex: true}, deps)
 	if err != nil {
 		t.Fatal(err)
 	}

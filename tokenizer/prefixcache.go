@@ -9,6 +9,8 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+
+	"github.com/kvbandit/kvbandit/routing/kvindex"
 )
 
 // PrefixCache remembers the token ids of text chunks so that a text starting
@@ -27,7 +29,14 @@ import (
 // stored, plus one chunk up to the last safe cut of the text, so that the next
 // turn of the conversation reuses all of it. By the SafeSplit property, the concatenated ids equal
 // Encode(text). Entries are evicted least recently used first once the stored
-// bytes (chunk text + 4 bytes per id + overhead) exceed MaxBytes.
+// bytes (chunk text + 4 bytes per id + 8 bytes per block key + overhead)
+// exceed MaxBytes.
+//
+// [PrefixCache.EncodeKeys] also returns the prompt's block keys
+// (kvindex.AppendBlockKeys of the ids for one [KeySpec]): a stored chunk keeps
+// the keys of the blocks that end in it, for the spec it was stored with, so
+// the blocks of the reused leading chunks are not hashed again; only the rest
+// is, the chain continuing from the last reused key (kvindex.ExtendBlockKeys).
 //
 // With added tokens that have lstrip, rstrip or single_word (none in Qwen3,
 // Llama 3.x or Mistral 7B), stored chunks are never reused (the cache stays
@@ -47,8 +56,16 @@ type PrefixCache struct {
 	children map[uint64][]int // parent chain hash -> ends of stored chunks
 	bytes    int64
 
-	hits, misses        atomic.Int64 // chunks
-	hitBytes, missBytes atomic.Int64 // text bytes
+	hits, misses           atomic.Int64 // chunks
+	hitBytes, missBytes    atomic.Int64 // text bytes
+	keysReused, keysHashed atomic.Int64 // block keys
+}
+
+// KeySpec names the block keys [PrefixCache.EncodeKeys] computes: blocks of
+// BlockSize tokens hashed with Seed (kvindex.Seed). BlockSize <= 0: none.
+type KeySpec struct {
+	BlockSize int
+	Seed      uint64
 }
 
 var _ Tokenizer = (*PrefixCache)(nil)
@@ -65,16 +82,33 @@ type pcEntry struct {
 	kind  cutKind // why the end was a safe cut
 	chunk string
 	ids   []uint32
+
+	// The keys of the blocks that end in the chunk, for spec, when the
+	// chunk's ids start at token start of the prompt and the block before
+	// the first of them has key prev (0 if none). Reuse checks start and
+	// prev, so that keys never join a chain they were not computed on.
+	spec  KeySpec
+	start int
+	prev  uint64
+	keys  []uint64
 }
 
-const pcOverhead = 96 // bytes per entry besides the chunk and its ids
+// size is what the entry counts against MaxBytes.
+func (e *pcEntry) size() int64 {
+	return int64(len(e.chunk) + 4*len(e.ids) + 8*len(e.keys) + pcOverhead)
+}
+
+const pcOverhead = 152 // bytes per entry besides the chunk, its ids and keys
 
 // PrefixCacheStats are the cache counters.
 type PrefixCacheStats struct {
 	Hits, Misses        int64 // chunks found and not found
 	HitBytes, MissBytes int64 // text bytes served from the cache and encoded
-	Entries             int
-	Bytes               int64
+	// KeysReused and KeysHashed count the block keys EncodeKeys took from
+	// stored chunks and the ones it hashed.
+	KeysReused, KeysHashed int64
+	Entries                int
+	Bytes                  int64
 }
 
 // NewPrefixCache returns a cache over tok holding at most maxBytes. chunkBytes
@@ -102,17 +136,33 @@ func (c *PrefixCache) Stats() PrefixCacheStats {
 	return PrefixCacheStats{
 		Hits: c.hits.Load(), Misses: c.misses.Load(),
 		HitBytes: c.hitBytes.Load(), MissBytes: c.missBytes.Load(),
+		KeysReused: c.keysReused.Load(), KeysHashed: c.keysHashed.Load(),
 		Entries: n, Bytes: b,
 	}
 }
 
 // Encode implements [Tokenizer]; the result equals the tokenizer's Encode.
 func (c *PrefixCache) Encode(ctx context.Context, text string) ([]uint32, error) {
+	ids, _, err := c.EncodeKeys(ctx, text, KeySpec{})
+	return ids, err
+}
+
+// EncodeKeys is [PrefixCache.Encode] that also returns the block keys of the
+// ids for spec: kvindex.AppendBlockKeys(nil, ids, spec.BlockSize, spec.Seed),
+// nil when spec.BlockSize <= 0. The keys of the complete blocks of the
+// leading chunks served from the cache are taken from them when they were
+// stored for the same spec; the rest are hashed. Both slices belong to the
+// caller.
+func (c *PrefixCache) EncodeKeys(ctx context.Context, text string, spec KeySpec) ([]uint32, []uint64, error) {
 	out := make([]uint32, 0, len(text)/2+16)
 	var (
-		cur  uint64 // chain hash of text[:prev]
-		prev int
+		cur    uint64 // chain hash of text[:prev]
+		prev   int
+		keys   []uint64
+		hitBuf [32]pcHit
+		hits   = hitBuf[:0]
 	)
+	withKeys := spec.BlockSize > 0
 	// Walk stored chunks under the lock: each step compares the chunk with the
 	// text and checks that its end is still a safe cut (BPE.stillCut looks
 	// only at the bytes around it), taking the longest child that fits.
@@ -138,12 +188,25 @@ func (c *PrefixCache) Encode(ctx context.Context, text string) ([]uint32, error)
 		}
 		ent := best.Value.(*pcEntry)
 		c.lru.MoveToFront(best)
+		if withKeys {
+			hits = append(hits, pcHit{ent: ent, at: len(out)})
+		}
 		out = append(out, ent.ids...)
 		c.hits.Add(1)
 		c.hitBytes.Add(int64(bestEnd - prev))
 		cur, prev = ent.hash, bestEnd
 	}
 	c.mu.Unlock()
+
+	if withKeys {
+		// Room for the cached part's blocks and those of the rest at 2
+		// bytes or more per token (append grows it otherwise). Entries
+		// never change once stored: their keys are read without the lock.
+		keys = make([]uint64, 0, (len(out)+(len(text)-prev)/2)/spec.BlockSize+1)
+		for _, h := range hits {
+			keys = c.reuseKeys(keys, out, h, spec)
+		}
+	}
 
 	var (
 		next     = prev + c.chunkBytes
@@ -160,9 +223,18 @@ func (c *PrefixCache) Encode(ctx context.Context, text string) ([]uint32, error)
 		out = c.tok.EncodeAppend(out, chunk)
 		c.misses.Add(1)
 		c.missBytes.Add(int64(len(chunk)))
-		key := pcKey{parent: cur, end: b}
+		e := &pcEntry{key: pcKey{parent: cur, end: b}, kind: k, chunk: chunk, ids: out[start:]}
 		cur = c.chainHash(cur, chunk)
-		c.store(key, cur, k, chunk, out[start:])
+		e.hash = cur
+		if withKeys {
+			keys = c.extendKeys(keys, out, spec)
+			first := start / spec.BlockSize
+			e.spec, e.start, e.keys = spec, start, keys[first:]
+			if first > 0 {
+				e.prev = keys[first-1]
+			}
+		}
+		c.store(e)
 		prev, next = b, b+c.chunkBytes
 		return true
 	}
@@ -174,18 +246,59 @@ func (c *PrefixCache) Encode(ctx context.Context, text string) ([]uint32, error)
 		return encodeChunk(b, k)
 	})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	// Store up to the last safe cut, so that a text extending this one can
 	// reuse everything before it.
 	if lastCut > prev && !encodeChunk(lastCut, lastKind) {
-		return nil, err
+		return nil, nil, err
 	}
 	if prev < len(text) {
 		out = c.tok.EncodeAppend(out, text[prev:])
 		c.missBytes.Add(int64(len(text) - prev))
 	}
-	return out, nil
+	if withKeys {
+		keys = c.extendKeys(keys, out, spec)
+	}
+	return out, keys, nil
+}
+
+// pcHit is a stored chunk the walk reused, its ids at out[at:].
+type pcHit struct {
+	ent *pcEntry
+	at  int
+}
+
+// reuseKeys appends the keys stored with h's chunk to keys, the keys of
+// the blocks before it (hashed first where earlier chunks had none), when
+// they were computed for spec, at the same token offset and on the same
+// chain; otherwise it returns keys as they are (ExtendBlockKeys hashes the
+// chunk's blocks later).
+func (c *PrefixCache) reuseKeys(keys []uint64, out []uint32, h pcHit, spec KeySpec) []uint64 {
+	e := h.ent
+	if e.spec != spec || e.start != h.at || len(e.keys) == 0 {
+		return keys
+	}
+	keys = c.extendKeys(keys, out[:h.at], spec)
+	var prev uint64
+	if n := len(keys); n > 0 {
+		prev = keys[n-1]
+	}
+	if prev != e.prev {
+		return keys
+	}
+	c.keysReused.Add(int64(len(e.keys)))
+	return append(keys, e.keys...)
+}
+
+// extendKeys is kvindex.ExtendBlockKeys, counted.
+func (c *PrefixCache) extendKeys(keys []uint64, ids []uint32, spec KeySpec) []uint64 {
+	n := len(keys)
+	keys = kvindex.ExtendBlockKeys(keys, ids, spec.BlockSize, spec.Seed)
+	if d := len(keys) - n; d > 0 {
+		c.keysHashed.Add(int64(d))
+	}
+	return keys
 }
 
 func (c *PrefixCache) chainHash(parent uint64, chunk string) uint64 {
@@ -198,12 +311,15 @@ func (c *PrefixCache) chainHash(parent uint64, chunk string) uint64 {
 	return h.Sum64()
 }
 
-func (c *PrefixCache) store(key pcKey, hash uint64, kind cutKind, chunk string, ids []uint32) {
-	size := int64(len(chunk) + 4*len(ids) + pcOverhead)
+// store adds e, copying its chunk, ids and keys, unless it alone exceeds
+// MaxBytes, then evicts down to MaxBytes.
+func (c *PrefixCache) store(e *pcEntry) {
+	size := e.size()
 	if size > c.maxBytes {
 		return
 	}
-	e := &pcEntry{key: key, hash: hash, kind: kind, chunk: strings.Clone(chunk), ids: append([]uint32(nil), ids...)}
+	e.chunk, e.ids, e.keys = strings.Clone(e.chunk), slices.Clone(e.ids), slices.Clone(e.keys)
+	key := e.key
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if el, ok := c.index[key]; ok {
@@ -224,6 +340,6 @@ func (c *PrefixCache) store(key pcKey, hash uint64, kind cutKind, chunk string, 
 		} else {
 			c.children[old.key.parent] = ends
 		}
-		c.bytes -= int64(len(old.chunk) + 4*len(old.ids) + pcOverhead)
+		c.bytes -= old.size()
 	}
 }

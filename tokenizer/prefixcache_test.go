@@ -151,24 +151,10 @@ func TestPrefixCacheRandom(t *testing.T) {
 	pieces := []string{"<|im_start|>", "<|im_end|>", "<|im_", "start|>", "<|eot_id|>", "<|eot", "<s>", "</s>", "<", "s>",
 		"\n", "\n\n", " ", "  ", "a", "Hello", "é", "e\u0301", "日本", "مرحبا", "1234", "'s", "!", "\t", "▁", "😀"}
 	r := rand.New(rand.NewPCG(5, 6))
-	gen := func(n int) string {
-		var b strings.Builder
-		for range n {
-			b.WriteString(pieces[r.IntN(len(pieces))])
-		}
-		return b.String()
-	}
 	for _, name := range oracleModels {
 		tok := loadModel(t, name)
 		c := NewPrefixCache(tok, 1<<20, 8)
-		var texts []string
-		for i := range 400 {
-			text := gen(1 + r.IntN(60))
-			if len(texts) > 0 && i%4 != 0 {
-				p := texts[r.IntN(len(texts))]
-				text = p[:r.IntN(len(p)+1)] + text
-			}
-			texts = append(texts, text)
+		for _, text := range sharedPrefixTexts(r, pieces, 400) {
 			got, err := c.Encode(t.Context(), text)
 			if err != nil {
 				t.Fatal(err)
@@ -179,6 +165,25 @@ func TestPrefixCacheRandom(t *testing.T) {
 		}
 		t.Logf("%s: %+v", name, c.Stats())
 	}
+}
+
+// sharedPrefixTexts returns n random texts of up to 60 pieces, three in four
+// starting with a random prefix (cut anywhere) of an earlier one.
+func sharedPrefixTexts(r *rand.Rand, pieces []string, n int) []string {
+	texts := make([]string, 0, n)
+	for i := range n {
+		var b strings.Builder
+		for range 1 + r.IntN(60) {
+			b.WriteString(pieces[r.IntN(len(pieces))])
+		}
+		text := b.String()
+		if i > 0 && i%4 != 0 {
+			p := texts[r.IntN(len(texts))]
+			text = p[:r.IntN(len(p)+1)] + text
+		}
+		texts = append(texts, text)
+	}
+	return texts
 }
 
 func TestConcurrentEncode(t *testing.T) {

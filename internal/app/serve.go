@@ -469,7 +469,7 @@ func Serve(ctx context.Context, o ServeOptions, log *slog.Logger, ls *Listeners)
 
 	var tok extproc.Tokenizer
 	if treg := tokenizerRegistry(o.Tokenizer, &fileCfg, log); treg.Enabled() {
-		tok = extproc.ModelTokenizer{Registry: treg}
+		tok = extproc.ModelTokenizer{Registry: treg, KeyBlockSize: engine.KeyBlockSize}
 		reg.MustRegister(tokenizerCacheCollector{treg})
 		// Load every configured tokenizer now: a bad path is a start-up
 		// error, not a log line on the first request.

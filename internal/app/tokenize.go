@@ -71,6 +71,7 @@ type tokenizerCacheCollector struct{ r *models.Registry }
 var (
 	tokCacheHits  = prometheus.NewDesc("kvbandit_tokenizer_cache_hits_total", "Prompt chunks found in the tokenizer's prefix cache.", []string{"tokenizer"}, nil)
 	tokCacheMiss  = prometheus.NewDesc("kvbandit_tokenizer_cache_misses_total", "Prompt chunks encoded because the prefix cache did not hold them.", []string{"tokenizer"}, nil)
+	tokCacheKeys  = prometheus.NewDesc("kvbandit_tokenizer_cache_block_keys_total", "Block keys of prompts given to the engine by the tokenizer's prefix cache, by source: reused (stored with a chunk the cache served) or hashed.", []string{"tokenizer", "source"}, nil)
 	tokCacheBytes = prometheus.NewDesc("kvbandit_tokenizer_cache_bytes", "Bytes held by the tokenizer's prefix cache.", []string{"tokenizer"}, nil)
 	chatRenders   = prometheus.NewDesc("kvbandit_chat_render_total", "Chat template renders by path: fast (the template's compiled fast path) or engine (the Jinja engine).", []string{"tokenizer", "path"}, nil)
 )
@@ -78,6 +79,7 @@ var (
 func (tokenizerCacheCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- tokCacheHits
 	ch <- tokCacheMiss
+	ch <- tokCacheKeys
 	ch <- tokCacheBytes
 	ch <- chatRenders
 }
@@ -86,6 +88,8 @@ func (c tokenizerCacheCollector) Collect(ch chan<- prometheus.Metric) {
 	for path, st := range c.r.CacheStats() {
 		ch <- prometheus.MustNewConstMetric(tokCacheHits, prometheus.CounterValue, float64(st.Hits), path)
 		ch <- prometheus.MustNewConstMetric(tokCacheMiss, prometheus.CounterValue, float64(st.Misses), path)
+		ch <- prometheus.MustNewConstMetric(tokCacheKeys, prometheus.CounterValue, float64(st.KeysReused), path, "reused")
+		ch <- prometheus.MustNewConstMetric(tokCacheKeys, prometheus.CounterValue, float64(st.KeysHashed), path, "hashed")
 		ch <- prometheus.MustNewConstMetric(tokCacheBytes, prometheus.GaugeValue, float64(st.Bytes), path)
 	}
 	for path, st := range c.r.ChatRenderStats() {

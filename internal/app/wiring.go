@@ -67,6 +67,7 @@ type routingMetrics struct {
 	queueWait      prometheus.Histogram
 	outcomes       *prometheus.CounterVec
 	overhead       *prometheus.HistogramVec
+	hashedBlocks   prometheus.Counter
 
 	phHash, phLookup, phScore, phTotal prometheus.Observer
 }
@@ -94,12 +95,15 @@ func newRoutingMetrics(reg prometheus.Registerer) *routingMetrics {
 		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbandit_session_decisions_total", Help: "Decisions of requests with a prefix id under a policy that keeps sessions (kvbandit, thompson): first (the session had no endpoint yet), sticky (stayed on the session's previous endpoint) or switch (moved to another).",
 		}, []string{"outcome"}),
+		hashedBlocks: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbandit_hashed_blocks_total", Help: "Prompt blocks the engine hashed into block keys while routing (blocks whose keys came with the request, from the tokenizer's prefix cache, are not counted).",
+		}),
 	}
 	m.overhead = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "kvbandit_routing_overhead_seconds", Help: "Routing cost per decision by phase: hash (block keys), lookup (KV index and in-flight walks), score (the policy), total.",
 		Buckets: []float64{1e-6, 2.5e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3},
 	}, []string{"phase"})
-	reg.MustRegister(m.overlap, m.cachedPred, m.cachedReported, m.rewards, m.queueWait, m.outcomes, m.overhead)
+	reg.MustRegister(m.overlap, m.cachedPred, m.cachedReported, m.rewards, m.queueWait, m.outcomes, m.overhead, m.hashedBlocks)
 	m.phHash, m.phLookup = m.overhead.WithLabelValues("hash"), m.overhead.WithLabelValues("lookup")
 	m.phScore, m.phTotal = m.overhead.WithLabelValues("score"), m.overhead.WithLabelValues("total")
 	return m
@@ -183,6 +187,7 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 		},
 		OnTimings: func(tm routing.Timings) {
 			rm.phHash.Observe(tm.Hash.Seconds())
+			rm.hashedBlocks.Add(float64(tm.HashedBlocks))
 			rm.phLookup.Observe(tm.Lookup.Seconds())
 			rm.phScore.Observe(tm.Score.Seconds())
 			rm.phTotal.Observe(tm.Total.Seconds())

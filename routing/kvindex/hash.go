@@ -63,17 +63,45 @@ func AppendBlockKeys(dst []uint64, tokens []uint32, blockSize int, seed uint64) 
 	if blockSize <= 0 {
 		return dst
 	}
+	return appendChain(dst, tokens, blockSize, seed, 0, 0)
+}
+
+// ExtendBlockKeys returns the keys of all complete blocks of tokens, given
+// keys, the keys of its first len(keys) blocks as [AppendBlockKeys] computes
+// them (for instance of an earlier turn of the same conversation): only the
+// blocks after them are hashed, the chain continuing from the last. The
+// result is AppendBlockKeys(nil, tokens, blockSize, seed) when keys is
+// right; keys longer than tokens' blocks are cut to them. It appends to keys
+// (allocating only when it lacks capacity).
+func ExtendBlockKeys(keys []uint64, tokens []uint32, blockSize int, seed uint64) []uint64 {
+	if blockSize <= 0 {
+		return keys[:0]
+	}
+	n, from := len(tokens)/blockSize, len(keys)
+	if from >= n {
+		return keys[:n]
+	}
+	var parent uint64
+	if from > 0 {
+		parent = keys[from-1]
+	}
+	return appendChain(keys, tokens, blockSize, seed, from, parent)
+}
+
+// appendChain appends the keys of tokens' complete blocks from block from
+// on, parent being the key of block from-1 (unused when from is 0).
+func appendChain(dst []uint64, tokens []uint32, blockSize int, seed uint64, from int, parent uint64) []uint64 {
 	n := len(tokens) / blockSize
-	if n == 0 {
+	if n <= from {
 		return dst
 	}
-	dst = slices.Grow(dst, n)
+	dst = slices.Grow(dst, n-from)
 	var sec16 *secret16
 	if blockSize == 16 {
 		sec16 = newSecret16(seed)
 	}
-	var key uint64
-	for i := range n {
+	key := parent
+	for i := from; i < n; i++ {
 		block := tokens[i*blockSize : (i+1)*blockSize : (i+1)*blockSize]
 		var local uint64
 		if sec16 != nil {

@@ -99,6 +99,12 @@ func TestGoldenSequences(t *testing.T) {
 			if len(keys) != n {
 				t.Fatalf("AppendBlockKeys gave %d keys, want %d", len(keys), n)
 			}
+			// Continued from any number of leading keys, the chain is the same.
+			for k := range n + 1 {
+				if got := ExtendBlockKeys(slices.Clone(keys[:k]), v.Tokens, v.BlockSize, Seed("", "")); !slices.Equal(got, keys) {
+					t.Errorf("ExtendBlockKeys from %d keys differs from AppendBlockKeys", k)
+				}
+			}
 			if len(v.Seq) == 0 {
 				if keys[0] != uint64(v.Local[0]) {
 					t.Errorf("key[0] = %d, want local[0] %d", keys[0], v.Local[0])

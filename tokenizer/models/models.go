@@ -186,6 +186,18 @@ func (m *Model) Encode(ctx context.Context, text string) ([]uint32, error) {
 	return m.tok.Encode(ctx, text)
 }
 
+// EncodeKeys is [Model.Encode] that also returns the ids' block keys for
+// spec (kvindex.AppendBlockKeys), reused from the prefix cache for the
+// prompt's leading chunks it served. Without a prefix cache the keys are
+// nil: the caller hashes the ids itself.
+func (m *Model) EncodeKeys(ctx context.Context, text string, spec tokenizer.KeySpec) ([]uint32, []uint64, error) {
+	if pc, ok := m.tok.(*tokenizer.PrefixCache); ok {
+		return pc.EncodeKeys(ctx, text, spec)
+	}
+	ids, err := m.tok.Encode(ctx, text)
+	return ids, nil, err
+}
+
 // Render renders a chat input with the model's template, with the
 // generation prompt and the model's BOS/EOS strings, as vLLM's chat
 // endpoint does.
@@ -202,11 +214,18 @@ func (m *Model) Render(ctx context.Context, in chat.Input) (string, error) {
 // endpoint computes (the template's text tokenized without adding special
 // tokens).
 func (m *Model) EncodeChat(ctx context.Context, in chat.Input) ([]uint32, error) {
+	ids, _, err := m.EncodeChatKeys(ctx, in, tokenizer.KeySpec{})
+	return ids, err
+}
+
+// EncodeChatKeys is [Model.EncodeChat] with the block keys of
+// [Model.EncodeKeys].
+func (m *Model) EncodeChatKeys(ctx context.Context, in chat.Input, spec tokenizer.KeySpec) ([]uint32, []uint64, error) {
 	text, err := m.Render(ctx, in)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return m.Encode(ctx, text)
+	return m.EncodeKeys(ctx, text, spec)
 }
 
 // ChatInput reads an OpenAI chat completion request body into a template
