@@ -183,23 +183,30 @@ const (
 	msb = 0x8080808080808080
 )
 
+// skipPlain skips plain string bytes from i, eight at a time: it returns
+// the start of the first 8-byte word that holds a quote, a backslash, a
+// control or a non-ASCII byte (a false alarm only sends a word to the
+// caller's slow path), or of the last partial word. jsonString and the
+// object walk (skipString) share it.
+func skipPlain(b []byte, i int) int {
+	for i+8 <= len(b) {
+		v := binary.LittleEndian.Uint64(b[i:])
+		q, bs := v^('"'*lsb), v^('\\'*lsb)
+		if ((v-0x20*lsb)&^v|(q-lsb)&^q|(bs-lsb)&^bs|v)&msb != 0 {
+			break
+		}
+		i += 8
+	}
+	return i
+}
+
 // jsonString reads the string whose opening quote is at i and returns the
 // index after its closing quote. Invalid UTF-8 clears *text but is not a
 // syntax error.
 func jsonString(b []byte, i int, text *bool) (int, bool) {
 	i++
 	for {
-		// Eight plain bytes at a time: no quote, backslash, control or
-		// non-ASCII byte (a false alarm only sends a word to the slow path).
-		for i+8 <= len(b) {
-			v := binary.LittleEndian.Uint64(b[i:])
-			q, bs := v^('"'*lsb), v^('\\'*lsb)
-			if ((v-0x20*lsb)&^v|(q-lsb)&^q|(bs-lsb)&^bs|v)&msb == 0 {
-				i += 8
-				continue
-			}
-			break
-		}
+		i = skipPlain(b, i)
 		if i >= len(b) {
 			return i, false
 		}
@@ -409,30 +416,6 @@ func typeName(v gjson.Result) string {
 		return "array"
 	}
 	return "object"
-}
-
-// eachField calls fn for each member of a JSON object, in order, and stops
-// at the first error. Keys are unescaped; repeated keys are all visited, so
-// a plain assignment in fn gives "last one wins".
-func eachField(obj gjson.Result, fn func(key string, v gjson.Result) error) error {
-	var err error
-	obj.ForEach(func(k, v gjson.Result) bool {
-		err = fn(k.Str, v)
-		return err == nil
-	})
-	return err
-}
-
-// eachElem calls fn for each element of a JSON array with its index.
-func eachElem(arr gjson.Result, fn func(i int, v gjson.Result) error) error {
-	var err error
-	i := 0
-	arr.ForEach(func(_, v gjson.Result) bool {
-		err = fn(i, v)
-		i++
-		return err == nil
-	})
-	return err
 }
 
 // nonNegInt reads a JSON number with an integral value >= 0 ("12", "12.0"
