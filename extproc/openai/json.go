@@ -183,30 +183,23 @@ const (
 	msb = 0x8080808080808080
 )
 
-// skipPlain skips plain string bytes from i, eight at a time: it returns
-// the start of the first 8-byte word that holds a quote, a backslash, a
-// control or a non-ASCII byte (a false alarm only sends a word to the
-// caller's slow path), or of the last partial word. jsonString and the
-// object walk (skipString) share it.
-func skipPlain(b []byte, i int) int {
-	for i+8 <= len(b) {
-		v := binary.LittleEndian.Uint64(b[i:])
-		q, bs := v^('"'*lsb), v^('\\'*lsb)
-		if ((v-0x20*lsb)&^v|(q-lsb)&^q|(bs-lsb)&^bs|v)&msb != 0 {
-			break
-		}
-		i += 8
-	}
-	return i
-}
-
 // jsonString reads the string whose opening quote is at i and returns the
 // index after its closing quote. Invalid UTF-8 clears *text but is not a
 // syntax error.
 func jsonString(b []byte, i int, text *bool) (int, bool) {
 	i++
 	for {
-		i = skipPlain(b, i)
+		// Eight plain bytes at a time: no quote, backslash, control or
+		// non-ASCII byte (a false alarm only sends a word to the slow path).
+		for i+8 <= len(b) {
+			v := binary.LittleEndian.Uint64(b[i:])
+			q, bs := v^('"'*lsb), v^('\\'*lsb)
+			if ((v-0x20*lsb)&^v|(q-lsb)&^q|(bs-lsb)&^bs|v)&msb == 0 {
+				i += 8
+				continue
+			}
+			break
+		}
 		if i >= len(b) {
 			return i, false
 		}

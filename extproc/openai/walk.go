@@ -1,18 +1,23 @@
 package openai
 
 import (
+	"bytes"
 	"strconv"
+	"strings"
+	"unicode/utf16"
+	"unicode/utf8"
 	"unsafe"
 
 	"github.com/tidwall/gjson"
 )
 
 // The walk below replaces gjson's Result.ForEach on the parse paths. ForEach
-// skips each nested value byte by byte (parseSquash) and then scans every
-// string again (parseString); the walk skips strings eight bytes at a time
-// with checkJSON's loop (skipPlain) and containers by counting brackets
-// outside strings, and builds the same gjson.Result that ForEach would hand
-// out: FuzzWalk compares the two, key and Result fields, at every level.
+// skips each nested value byte by byte (parseSquash), scans every string
+// again (parseString) and unescapes byte by byte. The walk jumps from quote
+// to quote with bytes.IndexByte (skipString), skips containers by counting
+// brackets outside strings, unescapes run by run, and builds the same
+// gjson.Result that ForEach would hand out: FuzzWalk compares the two, key
+// and Result fields, at every level.
 //
 // It trusts its input: every caller's JSON has passed checkJSON (request
 // bodies, ParseNVExt) or wellFormed (responses and stream events), so the
@@ -45,11 +50,11 @@ func each(t gjson.Result, fn func(key string, v gjson.Result) bool) {
 		}
 		var key string
 		if obj {
-			end, esc := skipString(b, i)
+			end := skipString(b, i)
 			if end-i < 2 {
 				return
 			}
-			key = stringValue(raw[i:end], esc)
+			key = stringValue(raw[i:end])
 			i = skipSpace(b, end)
 			if i >= len(b) || b[i] != ':' {
 				return
@@ -79,11 +84,11 @@ func valueAt(raw string, b []byte, i int) (v gjson.Result, end int, ok bool) {
 	}
 	switch b[i] {
 	case '"':
-		end, esc := skipString(b, i)
+		end := skipString(b, i)
 		if end-i < 2 {
 			return v, end, false
 		}
-		v.Type, v.Raw, v.Str = gjson.String, raw[i:end], stringValue(raw[i:end], esc)
+		v.Type, v.Raw, v.Str = gjson.String, raw[i:end], stringValue(raw[i:end])
 		return v, end, true
 	case '{', '[':
 		end = skipContainer(b, i)
@@ -112,23 +117,22 @@ func valueAt(raw string, b []byte, i int) (v gjson.Result, end int, ok bool) {
 }
 
 // skipString returns the index after the string that starts at b[i] (a
-// quote), and whether it holds a backslash. On an unterminated string it
-// returns len(b).
-func skipString(b []byte, i int) (end int, esc bool) {
-	i++
-	for {
-		i = skipPlain(b, i)
-		if i >= len(b) {
-			return len(b), esc
+// quote), len(b) if it is not closed. It jumps from quote to quote with
+// bytes.IndexByte and counts the backslashes before each: escapes and
+// non-ASCII text cost nothing extra.
+func skipString(b []byte, i int) int {
+	for i++; ; i++ {
+		j := bytes.IndexByte(b[i:], '"')
+		if j < 0 {
+			return len(b)
 		}
-		switch b[i] {
-		case '"':
-			return i + 1, esc
-		case '\\':
-			esc = true
-			i += 2
-		default:
-			i++
+		i += j
+		n := 0
+		for k := i - 1; b[k] == '\\'; k-- {
+			n++
+		}
+		if n%2 == 0 {
+			return i + 1
 		}
 	}
 }
@@ -140,7 +144,7 @@ func skipContainer(b []byte, i int) int {
 	for i < len(b) {
 		switch b[i] {
 		case '"':
-			i, _ = skipString(b, i)
+			i = skipString(b, i)
 			continue
 		case '{', '[':
 			depth++
@@ -155,14 +159,83 @@ func skipContainer(b []byte, i int) int {
 	return len(b)
 }
 
-// stringValue returns the value of the JSON string raw (with its quotes):
-// the bytes between the quotes when it has no escape, as gjson does, else
-// gjson's unescaping.
-func stringValue(raw string, esc bool) string {
-	if !esc {
-		return raw[1 : len(raw)-1]
+// stringValue returns the value of the JSON string raw (with its quotes), as
+// gjson does: the bytes between the quotes when it has no escape, else a
+// fresh unescaped string.
+func stringValue(raw string) string {
+	s := raw[1 : len(raw)-1]
+	j := strings.IndexByte(s, '\\')
+	if j < 0 {
+		return s
 	}
-	return gjson.Parse(raw).Str
+	return unescape(s, j)
+}
+
+// unescape decodes the escapes of a JSON string's contents s, the first of
+// which is at j, exactly as gjson's unescape does on a valid string: a
+// \uD800-\uDFFF escape followed by another \u escape is decoded as a pair,
+// U+FFFD when it is not one. It copies the runs between escapes whole
+// (gjson appends byte by byte) and returns the buffer without a second copy.
+// On an invalid string it stops at the first bad escape.
+func unescape(s string, j int) string {
+	buf := make([]byte, 0, len(s))
+	for j >= 0 {
+		buf = append(buf, s[:j]...)
+		if j+1 >= len(s) {
+			return unsafe.String(unsafe.SliceData(buf), len(buf))
+		}
+		c, next := s[j+1], j+2
+		switch c {
+		case 'b':
+			buf = append(buf, '\b')
+		case 'f':
+			buf = append(buf, '\f')
+		case 'n':
+			buf = append(buf, '\n')
+		case 'r':
+			buf = append(buf, '\r')
+		case 't':
+			buf = append(buf, '\t')
+		case '"', '\\', '/':
+			buf = append(buf, c)
+		case 'u':
+			if next+4 > len(s) {
+				return unsafe.String(unsafe.SliceData(buf), len(buf))
+			}
+			r := hex4(s[next:])
+			next += 4
+			if utf16.IsSurrogate(r) && next+6 <= len(s) && s[next] == '\\' && s[next+1] == 'u' {
+				r = utf16.DecodeRune(r, hex4(s[next+2:]))
+				next += 6
+			}
+			buf = utf8.AppendRune(buf, r)
+		default:
+			return unsafe.String(unsafe.SliceData(buf), len(buf))
+		}
+		s = s[next:]
+		j = strings.IndexByte(s, '\\')
+	}
+	buf = append(buf, s...)
+	return unsafe.String(unsafe.SliceData(buf), len(buf))
+}
+
+// hex4 reads four hex digits; 0 if one is not, like gjson's runeit.
+func hex4(s string) rune {
+	var r rune
+	for _, c := range []byte(s[:4]) {
+		switch {
+		case '0' <= c && c <= '9':
+			c -= '0'
+		case 'a' <= c && c <= 'f':
+			c -= 'a' - 10
+		case 'A' <= c && c <= 'F':
+			c -= 'A' - 10
+		default:
+			return 0
+		}
+		r = r<<4 | rune(c)
+	}
+	return r
 }
 
 // eachField calls fn for each member of a JSON object, in order, and stops
