@@ -128,7 +128,7 @@ func skipString(b []byte, i int) int {
 		}
 		i += j
 		n := 0
-		for k := i - 1; b[k] == '\\'; k-- {
+		for k := i - 1; k >= 0 && b[k] == '\\'; k-- {
 			n++
 		}
 		if n%2 == 0 {

@@ -107,8 +107,9 @@ func walkAny(r gjson.Result, depth int) {
 // which every caller of each runs first), each yields exactly the sequence
 // of keys and Results (Type, Raw, Str, Num, Index) that gjson's ForEach
 // yields, at every nesting level, and stops where ForEach stops when the
-// callback returns false after stop%(n+1) callbacks. On any other input it
-// returns without a panic. Seeds: the other targets' corpora (FuzzParse,
+// callback returns false after stop%(n+1) callbacks. On any other input,
+// and on any text handed to it as an object or array, it returns without a
+// panic. Seeds: the other targets' corpora (FuzzParse,
 // FuzzParseUsage, and the data lines of FuzzStreamParser), a small chatBody
 // (with a 4 KB one the fuzzer spends its time minimizing that body's
 // mutations) and the edge cases below; testdata/fuzz/FuzzWalk holds the
@@ -134,6 +135,8 @@ func FuzzWalk(f *testing.F) {
 		f.Add(seed, uint8(len(seed)))
 	}
 	f.Fuzz(func(t *testing.T, body []byte, stop uint8) {
+		// Any text taken as an object or array: the walk only returns.
+		walkAny(gjson.Result{Type: gjson.JSON, Raw: string(body)}, 64)
 		top := gjson.Parse(view(body))
 		if !wellFormed(body) {
 			walkAny(top, 64)
