@@ -6,6 +6,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -55,13 +56,13 @@ func sameWalk(t *testing.T, r gjson.Result, stop uint8) {
 	t.Helper()
 	want, vals := walkVisits(r, false, -1)
 	got, _ := walkVisits(r, true, -1)
-	if !equalVisits(got, want) {
+	if !slices.Equal(got, want) {
 		t.Fatalf("walk of %q:\n got %v\nwant %v", r.Raw, got, want)
 	}
 	n := int(stop) % (len(want) + 1)
 	want, _ = walkVisits(r, false, n)
 	got, _ = walkVisits(r, true, n)
-	if !equalVisits(got, want) {
+	if !slices.Equal(got, want) {
 		t.Fatalf("walk of %q stopped after %d:\n got %v\nwant %v", r.Raw, n, got, want)
 	}
 	for _, v := range vals {
@@ -75,18 +76,6 @@ func sameWalk(t *testing.T, r gjson.Result, stop uint8) {
 func aliases(s, within string) bool {
 	p, lo := uintptr(unsafe.Pointer(unsafe.StringData(s))), uintptr(unsafe.Pointer(unsafe.StringData(within)))
 	return s != "" && p >= lo && p < lo+uintptr(len(within))
-}
-
-func equalVisits(a, b []visit) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // walkAny walks r and what it holds, at most depth levels down, for input
