@@ -3,13 +3,14 @@
 //
 // # Requests
 //
-// [Parse] reads a /v1/chat/completions or /v1/completions body (see [KindOf])
-// with github.com/tidwall/gjson: the model, streaming options, the output
-// limit, the prompt text or token ids, the cache salt and Dynamo's nvext
-// extension. The body is never re-marshalled; the proxy forwards the original
-// bytes. Parse validates the whole body first (JSON syntax, nesting depth,
-// UTF-8) and then walks the top-level object once, so a large prompt is
-// scanned a small, fixed number of times.
+// [Parse] reads a /v1/chat/completions or /v1/completions body (see [KindOf]):
+// the model, streaming options, the output limit, the prompt text or token
+// ids, the cache salt and Dynamo's nvext extension. The body is never
+// re-marshalled; the proxy forwards the original bytes. Parse validates the
+// whole body first (JSON syntax, nesting depth, UTF-8) and then walks the
+// top-level object once with its own walk over the validated bytes, which
+// hands out github.com/tidwall/gjson values, so a large prompt is scanned a
+// small, fixed number of times.
 //
 // Parse reads body without copying it and without keeping a reference to it:
 // every string in the returned [Request] is its own copy, so the caller may

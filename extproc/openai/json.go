@@ -411,30 +411,6 @@ func typeName(v gjson.Result) string {
 	return "object"
 }
 
-// eachField calls fn for each member of a JSON object, in order, and stops
-// at the first error. Keys are unescaped; repeated keys are all visited, so
-// a plain assignment in fn gives "last one wins".
-func eachField(obj gjson.Result, fn func(key string, v gjson.Result) error) error {
-	var err error
-	obj.ForEach(func(k, v gjson.Result) bool {
-		err = fn(k.Str, v)
-		return err == nil
-	})
-	return err
-}
-
-// eachElem calls fn for each element of a JSON array with its index.
-func eachElem(arr gjson.Result, fn func(i int, v gjson.Result) error) error {
-	var err error
-	i := 0
-	arr.ForEach(func(_, v gjson.Result) bool {
-		err = fn(i, v)
-		i++
-		return err == nil
-	})
-	return err
-}
-
 // nonNegInt reads a JSON number with an integral value >= 0 ("12", "12.0"
 // and "1.2e1" all give 12). Values above limit are clamped to limit.
 func nonNegInt(v gjson.Result, limit int) (int, bool) {

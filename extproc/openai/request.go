@@ -403,8 +403,8 @@ func (p *parser) parts(msg *Message, i int, v gjson.Result) error {
 // whose text is a string (vLLM skips those whose text is null).
 func (p *parser) part(e gjson.Result, i, j int) (part ContentPart, hasText bool, err error) {
 	var text, refusal gjson.Result
-	e.ForEach(func(k, v gjson.Result) bool {
-		switch k.Str {
+	each(e, func(k string, v gjson.Result) bool {
+		switch k {
 		case "type":
 			part.Type = ""
 			if v.Type == gjson.String {
@@ -508,7 +508,7 @@ func (p *parser) nvext(v gjson.Result) NVExt {
 			switch {
 			case v.Type == gjson.Null:
 			case v.IsArray():
-				v.ForEach(func(_, e gjson.Result) bool {
+				each(v, func(_ string, e gjson.Result) bool {
 					if e.Type != gjson.String {
 						nv.ignore("nvext.annotations[]")
 						return true
@@ -548,12 +548,12 @@ func (p *parser) nvext(v gjson.Result) NVExt {
 }
 
 func (p *parser) agentHints(h *AgentHints, v gjson.Result) {
-	v.ForEach(func(k, v gjson.Result) bool {
+	each(v, func(k string, v gjson.Result) bool {
 		raw := ""
 		if v.Type != gjson.Null {
 			raw = p.keep(v.Raw)
 		}
-		switch k.Str {
+		switch k {
 		case "prefix_id":
 			h.PrefixID = raw
 		case "total_requests":

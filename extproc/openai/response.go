@@ -36,8 +36,8 @@ func ParseUsage(body []byte) (u Usage, ok bool) {
 // usageOf reads the last non-null "usage" member of a top-level object.
 func usageOf(top gjson.Result) (Usage, bool) {
 	var uv gjson.Result
-	top.ForEach(func(k, v gjson.Result) bool {
-		if k.Str == "usage" {
+	each(top, func(k string, v gjson.Result) bool {
+		if k == "usage" {
 			uv = v
 		}
 		return true
@@ -50,8 +50,8 @@ func usageOf(top gjson.Result) (Usage, bool) {
 
 func readUsage(v gjson.Result) Usage {
 	u := unreported()
-	v.ForEach(func(k, v gjson.Result) bool {
-		switch k.Str {
+	each(v, func(k string, v gjson.Result) bool {
+		switch k {
 		case "prompt_tokens":
 			u.PromptTokens = count(v)
 		case "completion_tokens":
@@ -59,8 +59,8 @@ func readUsage(v gjson.Result) Usage {
 		case "prompt_tokens_details":
 			u.CachedTokens = -1
 			if v.IsObject() {
-				v.ForEach(func(k, v gjson.Result) bool {
-					if k.Str == "cached_tokens" {
+				each(v, func(k string, v gjson.Result) bool {
+					if k == "cached_tokens" {
 						u.CachedTokens = count(v)
 					}
 					return true

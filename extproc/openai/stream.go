@@ -231,8 +231,8 @@ func (p *StreamParser) handle(data []byte) bool {
 		return false
 	}
 	first := false
-	gjson.Parse(view(data)).ForEach(func(k, v gjson.Result) bool {
-		switch k.Str {
+	each(gjson.Parse(view(data)), func(k string, v gjson.Result) bool {
+		switch k {
 		case "usage":
 			if v.IsObject() {
 				p.usage, p.hasUsage = readUsage(v), true
@@ -258,12 +258,12 @@ func (p *StreamParser) handle(data []byte) bool {
 // hasContent reports whether a choices array carries generated content.
 func hasContent(choices gjson.Result) bool {
 	found := false
-	choices.ForEach(func(_, ch gjson.Result) bool {
+	each(choices, func(_ string, ch gjson.Result) bool {
 		if !ch.IsObject() {
 			return true
 		}
-		ch.ForEach(func(k, v gjson.Result) bool {
-			switch k.Str {
+		each(ch, func(k string, v gjson.Result) bool {
+			switch k {
 			case "text":
 				found = v.Type == gjson.String && v.Str != ""
 			case "delta":
@@ -278,8 +278,8 @@ func hasContent(choices gjson.Result) bool {
 
 func deltaHasContent(delta gjson.Result) bool {
 	found := false
-	delta.ForEach(func(k, v gjson.Result) bool {
-		switch k.Str {
+	each(delta, func(k string, v gjson.Result) bool {
+		switch k {
 		case "content", "reasoning_content", "reasoning":
 			found = v.Type == gjson.String && v.Str != ""
 		case "tool_calls":
