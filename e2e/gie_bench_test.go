@@ -184,6 +184,7 @@ func TestBenchVsGIE(t *testing.T) {
 	fast := os.Getenv(envFastBin)
 
 	var pickers []*picker
+	var tokMetrics string // the tokenizer row's admin port, to check it tokenized
 	kvArgs := func(addr string, extra ...string) []string {
 		return append([]string{"serve", "--grpc-addr", addr, "--health-addr", freeAddr(t), "--metrics-addr", "",
 			"--pool-name", pool, "--pool-namespace", ns, "--kubeconfig", kubeconfig, "--log-level", "warn"}, extra...)
@@ -198,8 +199,12 @@ func TestBenchVsGIE(t *testing.T) {
 	}
 	{
 		addr := freeAddr(t)
-		tok := filepath.Join(tokenizertest.Dir(t), "qwen3", "tokenizer.json")
-		pickers = append(pickers, startPicker(t, "kvbandit+tokenizer", addr, "", nil, fast, kvArgs(addr, "--tokenizer", tok)...))
+		// The model directory: tokenizer.json and tokenizer_config.json with
+		// its chat template (a bare tokenizer.json cannot render chat
+		// requests, which then fall back to the byte estimate).
+		tok := filepath.Join(tokenizertest.Dir(t), "qwen3")
+		tokMetrics = freeAddr(t)
+		pickers = append(pickers, startPicker(t, "kvbandit+tokenizer", addr, "", nil, fast, kvArgs(addr, "--tokenizer", tok, "--metrics-addr", tokMetrics)...))
 	}
 	{
 		env := []string{"POD_NAME=epp-5d8f7c9b4-x2k9p", "POD_NAMESPACE=" + ns, "KUBECONFIG=" + kubeconfig}
@@ -281,6 +286,17 @@ func TestBenchVsGIE(t *testing.T) {
 				strings.Join(each, "; "))
 		}
 	}
+	// The tokenizer row must have rendered and encoded every request, not
+	// fallen back to the byte estimate.
+	samples, err := scrapeURL(t.Context(), "http://"+tokMetrics+"/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	renders := metric(samples, "kvbandit_chat_render_total", map[string]string{"path": "fast"})
+	if fb := metric(samples, "kvbandit_tokenizer_fallbacks_total", nil); fb > 0 || renders == 0 {
+		t.Errorf("kvbandit+tokenizer: %v requests fell back to the byte estimate, %v chat renders on the fast path", fb, renders)
+	}
+	fmt.Fprintf(&b, "\nkvbandit+tokenizer: %.0f chat renders on the Qwen3 fast path, no fallback to the byte estimate\n", renders)
 	b.WriteString("\nissue 16 goals: CPU/req vs GIE <= 0.45x at 4 KB (floor ~0.415x), <= 0.6x with the tokenizer, <= 0.4x at 64 KB; p99 at 2000 req/s <= 1 ms, <= 2 ms with the tokenizer; peak RSS <= 150 MiB\n")
 	t.Log(b.String())
 }
