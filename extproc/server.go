@@ -118,6 +118,7 @@ func (c *Config) defaults() {
 // Tokenizer turns a parsed request (and its raw body, for what parsing
 // does not keep, such as tool definitions) into token ids. It is optional;
 // without one, or when it fails, the server routes on a byte-based estimate.
+// body is always the body req was parsed from, so it is valid JSON.
 type Tokenizer interface {
 	Encode(ctx context.Context, req *openai.Request, body []byte) ([]uint32, error)
 }

@@ -69,7 +69,8 @@ func (m ModelTokenizer) encode(ctx context.Context, req *openai.Request, body []
 		return nil, nil, err
 	}
 	if req.Kind == openai.KindChat {
-		in, err := models.ChatInput(body)
+		// body is the one req was parsed from, checked valid JSON then.
+		in, err := models.ChatInputChecked(body)
 		if err != nil {
 			return nil, nil, err
 		}

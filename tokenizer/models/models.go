@@ -106,6 +106,9 @@ func (r *Registry) For(model string) (*Model, error) {
 				fast = e.m.tmpl.FastPath()
 			}
 			r.log.Info("tokenizer loaded", "path", path, "chat_template", e.m.tmpl != nil, "chat_fast_path", fast)
+			if e.m.tmpl == nil {
+				r.log.Warn("tokenizer has no chat template: chat completions for its models are routed on estimated tokens (counted in kvbandit_tokenizer_fallbacks_total); give the model's directory, with tokenizer_config.json and its chat_template, to encode them", "path", path)
+			}
 		}
 	})
 	return e.m, e.err
@@ -236,6 +239,13 @@ func ChatInput(body []byte) (chat.Input, error) {
 	if !gjson.ValidBytes(body) {
 		return chat.Input{}, fmt.Errorf("%w: not valid JSON", ErrBadChat)
 	}
+	return ChatInputChecked(body)
+}
+
+// ChatInputChecked is [ChatInput] for a body its caller has already checked
+// to be valid JSON (the ext_proc and proxy paths, whose parser checks every
+// body first): it skips the second validation pass over the body.
+func ChatInputChecked(body []byte) (chat.Input, error) {
 	root := gjson.ParseBytes(body)
 	msgs := root.Get("messages")
 	if !msgs.IsArray() {
