@@ -271,6 +271,14 @@ func (p llamaSplitter) next(s string, i int) int {
 
 func letterRun(s string, j int) int {
 	for j < len(s) {
+		if b := s[j]; b < utf8.RuneSelf {
+			// ASCII inline: classAt is a call per byte.
+			if asciiClass[b] != clLetter {
+				break
+			}
+			j++
+			continue
+		}
 		c, n := classAt(s, j)
 		if c != clLetter {
 			break
