@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/extproc/openai"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/tokenizer"
 	"github.com/kvbandit/kvbandit/tokenizer/models"
 )
@@ -51,7 +52,7 @@ func (m ModelTokenizer) Encode(ctx context.Context, req *openai.Request, body []
 func (m ModelTokenizer) EncodeKeys(ctx context.Context, req *openai.Request, body []byte, seed uint64) ([]uint32, routing.BlockKeys, error) {
 	var spec tokenizer.KeySpec
 	if m.KeyBlockSize != nil {
-		spec = tokenizer.KeySpec{BlockSize: m.KeyBlockSize(), Seed: seed}
+		spec = tokenizer.KeySpec{BlockSize: m.KeyBlockSize(), Seed: seed, Extend: kvindex.ExtendBlockKeys}
 	}
 	ids, keys, err := m.encode(ctx, req, body, spec)
 	if err != nil || keys == nil {

@@ -9,8 +9,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-
-	"github.com/kvbandit/kvbandit/routing/kvindex"
 )
 
 // PrefixCache remembers the token ids of text chunks so that a text starting
@@ -62,11 +60,26 @@ type PrefixCache struct {
 }
 
 // KeySpec names the block keys [PrefixCache.EncodeKeys] computes: blocks of
-// BlockSize tokens hashed with Seed (kvindex.Seed). BlockSize <= 0: none.
+// BlockSize tokens hashed with Seed (kvindex.Seed) by Extend. BlockSize <= 0
+// or a nil Extend: none.
 type KeySpec struct {
 	BlockSize int
 	Seed      uint64
+	// Extend appends to keys (the chained keys of the leading blocks of ids)
+	// the keys of the rest of ids' complete blocks: kvindex.ExtendBlockKeys,
+	// injected by the caller so that the tokenizer does not depend on
+	// routing. Every spec given to one cache must use the same function:
+	// stored keys are reused for any spec of the same block size and seed.
+	Extend func(keys []uint64, ids []uint32, blockSize int, seed uint64) []uint64
 }
+
+// keyID is what stored keys were computed for.
+type keyID struct {
+	blockSize int
+	seed      uint64
+}
+
+func (s KeySpec) id() keyID { return keyID{s.BlockSize, s.Seed} }
 
 var _ Tokenizer = (*PrefixCache)(nil)
 
@@ -87,7 +100,7 @@ type pcEntry struct {
 	// chunk's ids start at token start of the prompt and the block before
 	// the first of them has key prev (0 if none). Reuse checks start and
 	// prev, so that keys never join a chain they were not computed on.
-	spec  KeySpec
+	spec  keyID
 	start int
 	prev  uint64
 	keys  []uint64
@@ -149,7 +162,7 @@ func (c *PrefixCache) Encode(ctx context.Context, text string) ([]uint32, error)
 
 // EncodeKeys is [PrefixCache.Encode] that also returns the block keys of the
 // ids for spec: kvindex.AppendBlockKeys(nil, ids, spec.BlockSize, spec.Seed),
-// nil when spec.BlockSize <= 0. The keys of the complete blocks of the
+// nil when spec.BlockSize <= 0 or spec.Extend is nil. The keys of the complete blocks of the
 // leading chunks served from the cache are taken from them when they were
 // stored for the same spec; the rest are hashed. Both slices belong to the
 // caller.
@@ -162,7 +175,7 @@ func (c *PrefixCache) EncodeKeys(ctx context.Context, text string, spec KeySpec)
 		hitBuf [32]pcHit
 		hits   = hitBuf[:0]
 	)
-	withKeys := spec.BlockSize > 0
+	withKeys := spec.BlockSize > 0 && spec.Extend != nil
 	// Walk stored chunks under the lock: each step compares the chunk with the
 	// text and checks that its end is still a safe cut (BPE.stillCut looks
 	// only at the bytes around it), taking the longest child that fits.
@@ -229,7 +242,7 @@ func (c *PrefixCache) EncodeKeys(ctx context.Context, text string, spec KeySpec)
 		if withKeys {
 			keys = c.extendKeys(keys, out, spec)
 			first := start / spec.BlockSize
-			e.spec, e.start, e.keys = spec, start, keys[first:]
+			e.spec, e.start, e.keys = spec.id(), start, keys[first:]
 			if first > 0 {
 				e.prev = keys[first-1]
 			}
@@ -276,7 +289,7 @@ type pcHit struct {
 // chunk's blocks later).
 func (c *PrefixCache) reuseKeys(keys []uint64, out []uint32, h pcHit, spec KeySpec) []uint64 {
 	e := h.ent
-	if e.spec != spec || e.start != h.at || len(e.keys) == 0 {
+	if e.spec != spec.id() || e.start != h.at || len(e.keys) == 0 {
 		return keys
 	}
 	keys = c.extendKeys(keys, out[:h.at], spec)
@@ -291,10 +304,10 @@ func (c *PrefixCache) reuseKeys(keys []uint64, out []uint32, h pcHit, spec KeySp
 	return append(keys, e.keys...)
 }
 
-// extendKeys is kvindex.ExtendBlockKeys, counted.
+// extendKeys is spec.Extend (kvindex.ExtendBlockKeys), counted.
 func (c *PrefixCache) extendKeys(keys []uint64, ids []uint32, spec KeySpec) []uint64 {
 	n := len(keys)
-	keys = kvindex.ExtendBlockKeys(keys, ids, spec.BlockSize, spec.Seed)
+	keys = spec.Extend(keys, ids, spec.BlockSize, spec.Seed)
 	if d := len(keys) - n; d > 0 {
 		c.keysHashed.Add(int64(d))
 	}

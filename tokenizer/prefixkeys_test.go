@@ -18,10 +18,10 @@ import (
 func TestPrefixCacheKeys(t *testing.T) {
 	base := shortCorpus(t)
 	specs := []KeySpec{
-		{BlockSize: 16, Seed: kvindex.BaseSeed},
-		{BlockSize: 16, Seed: kvindex.Seed("", "tenant-b")},
-		{BlockSize: 64, Seed: kvindex.BaseSeed},
-		{BlockSize: 5, Seed: kvindex.BaseSeed},
+		keySpec(16, kvindex.BaseSeed),
+		keySpec(16, kvindex.Seed("", "tenant-b")),
+		keySpec(64, kvindex.BaseSeed),
+		keySpec(5, kvindex.BaseSeed),
 	}
 	for _, name := range oracleModels {
 		t.Run(name, func(t *testing.T) {
@@ -74,7 +74,7 @@ func TestPrefixCacheKeys(t *testing.T) {
 func TestPrefixCacheKeysRandom(t *testing.T) {
 	pieces := []string{"<|im_start|>", "<|im_end|>", "<|im_", "start|>", "<s>", "</s>", "\n", "\n\n", " ", "a", "Hello", "é", "日本", "1234", "'s", "!", "😀"}
 	r := rand.New(rand.NewPCG(7, 8))
-	specs := []KeySpec{{BlockSize: 1, Seed: 1}, {BlockSize: 2, Seed: kvindex.BaseSeed}, {BlockSize: 2, Seed: 1}, {BlockSize: 16, Seed: kvindex.BaseSeed}, {}}
+	specs := []KeySpec{keySpec(1, 1), keySpec(2, kvindex.BaseSeed), keySpec(2, 1), keySpec(16, kvindex.BaseSeed), {}}
 	for _, name := range oracleModels {
 		tok := loadModel(t, name)
 		c := NewPrefixCache(tok, 1<<20, 8)
@@ -114,7 +114,7 @@ func TestPrefixCacheKeysBytes(t *testing.T) {
 	if _, err := plain.Encode(t.Context(), text); err != nil {
 		t.Fatal(err)
 	}
-	_, keys, err := keyed.EncodeKeys(t.Context(), text, KeySpec{BlockSize: 16, Seed: kvindex.BaseSeed})
+	_, keys, err := keyed.EncodeKeys(t.Context(), text, keySpec(16, kvindex.BaseSeed))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -128,7 +128,7 @@ func TestPrefixCacheKeysBytes(t *testing.T) {
 	small := NewPrefixCache(tok, 16<<10, 512)
 	for turn := 1; turn <= 10; turn++ {
 		text := conversation(base, "qwen3", turn, "")
-		ids, keys, err := small.EncodeKeys(t.Context(), text, KeySpec{BlockSize: 16, Seed: kvindex.BaseSeed})
+		ids, keys, err := small.EncodeKeys(t.Context(), text, keySpec(16, kvindex.BaseSeed))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -162,7 +162,7 @@ func firstDiffKeys(a, b []uint64) int {
 func BenchmarkPrefixCacheKeys(b *testing.B) {
 	base := shortCorpus(b)
 	tok := loadModel(b, "qwen3")
-	spec := KeySpec{BlockSize: 16, Seed: kvindex.BaseSeed}
+	spec := keySpec(16, kvindex.BaseSeed)
 	for _, c := range []struct {
 		name        string
 		turns, vars int
@@ -211,4 +211,9 @@ func BenchmarkPrefixCacheKeys(b *testing.B) {
 			})
 		}
 	}
+}
+
+// keySpec is the spec of keys at bs with seed, hashed as the engine does.
+func keySpec(bs int, seed uint64) KeySpec {
+	return KeySpec{BlockSize: bs, Seed: seed, Extend: kvindex.ExtendBlockKeys}
 }
