@@ -287,15 +287,16 @@ func (o *Options) defaults() {
 	o.Ejection.defaults()
 }
 
-// bucket is a token bucket of blocks per second with a burst of one
-// second's worth; rate <= 0 is unbounded. Its owner serialises it.
+// bucket is a token bucket of units (blocks engine-wide, tokens per rank)
+// per second with a burst of one second's worth; rate <= 0 is unbounded.
+// Its owner serialises it.
 type bucket struct {
-	rate   float64 // blocks per second
-	blocks float64 // available, at most rate
+	rate   float64 // units per second
+	blocks float64 // units available, at most rate
 	at     time.Time
 }
 
-// avail refills the bucket to now and returns the whole blocks it holds
+// avail refills the bucket to now and returns the whole units it holds
 // (or want when unbounded), at most want.
 func (b *bucket) avail(want int, now time.Time) int {
 	if b.rate <= 0 {
@@ -311,7 +312,7 @@ func (b *bucket) avail(want int, now time.Time) int {
 	return min(want, int(b.blocks))
 }
 
-// spend takes n blocks that avail granted.
+// spend takes n units that avail granted.
 func (b *bucket) spend(n int) {
 	if b.rate > 0 {
 		b.blocks -= float64(n)
