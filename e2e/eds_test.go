@@ -26,6 +26,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/eds"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy"
 )
 
@@ -149,7 +150,7 @@ func (e *edsEnvoy) hostList() []string {
 // edsStack is discovery as serve runs it with EDS: a real engine, the hub,
 // and the EDS server on a real gRPC listener as the hub's gate.
 type edsStack struct {
-	engine *routing.Engine
+	engine *engine.Engine
 	hub    *discovery.Hub
 	srv    *eds.Server
 	conn   *grpc.ClientConn
@@ -162,7 +163,7 @@ func newEDSStack(t *testing.T) *edsStack {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &edsStack{engine: routing.MustEngine(p, routing.Options{}, routing.Deps{Rand: rnd, Logger: slog.New(slog.DiscardHandler)})}
+	s := &edsStack{engine: engine.Must(p, engine.Options{}, engine.Deps{Rand: rnd, Logger: slog.New(slog.DiscardHandler)})}
 	t.Cleanup(s.engine.Close)
 	var hub atomic.Pointer[discovery.Hub]
 	s.srv = eds.New(eds.Config{}, eds.Deps{OnChange: func() { hub.Load().Refresh() }})

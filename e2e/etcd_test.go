@@ -23,6 +23,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd/etcdtest"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy"
 )
 
@@ -222,7 +223,7 @@ func TestEtcdDiscoveryLatency(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	eng := routing.MustEngine(p, routing.Options{}, routing.Deps{Rand: rnd})
+	eng := engine.Must(p, engine.Options{}, engine.Deps{Rand: rnd})
 	defer eng.Close()
 	published := make(chan int, 1024)
 	hub := discovery.NewHub(discovery.HubDeps{Engine: eng, OnPublish: func(s routing.EndpointSet, _ time.Time) { published <- len(s.Endpoints) }})

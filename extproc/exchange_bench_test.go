@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy/roundrobin"
 )
 
@@ -96,7 +97,7 @@ func BenchmarkExtProcExchangePaired(b *testing.B) {
 // benchServer is the kvbandit server of the exchange benchmarks: round
 // robin over two endpoints, response processing on.
 func benchServer(b *testing.B) *extproc.Server {
-	e := routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
+	e := engine.Must(roundrobin.New(), engine.Options{}, engine.Deps{Logger: slog.New(slog.DiscardHandler)})
 	b.Cleanup(e.Close)
 	if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}, {Key: "10.0.0.2:8000"}}}); err != nil {
 		b.Fatal(err)

@@ -25,6 +25,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
 )
@@ -96,13 +97,13 @@ func runCase(t *testing.T, gc goldenCase, reqs []*extprocv3.ProcessingRequest) (
 		t.Fatal(err)
 	}
 	log := slog.New(slog.DiscardHandler)
-	deps := routing.Deps{Rand: rnd, Logger: log}
+	deps := engine.Deps{Rand: rnd, Logger: log}
 	if gc.PDThresholdTokens != nil {
 		if deps.PD, err = pd.New(pd.Config{ThresholdTokens: *gc.PDThresholdTokens}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	e := routing.MustEngine(pol, routing.Options{Fallbacks: gc.Fallbacks}, deps)
+	e := engine.Must(pol, engine.Options{Fallbacks: gc.Fallbacks}, deps)
 	defer e.Close()
 	if err := e.Update(routing.EndpointSet{Source: "golden", Endpoints: gc.Endpoints}); err != nil {
 		t.Fatal(err)

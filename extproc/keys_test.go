@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy/roundrobin"
 	"github.com/kvbandit/kvbandit/tokenizer/models"
@@ -51,14 +52,14 @@ func TestPrefixCacheKeysServingPath(t *testing.T) {
 		seen []keyed
 		cur  keyed
 	)
-	e := routing.MustEngine(roundrobin.New(), routing.Options{SyncIndex: true}, routing.Deps{
+	e := engine.Must(roundrobin.New(), engine.Options{SyncIndex: true}, engine.Deps{
 		Logger: slog.New(slog.DiscardHandler),
 		OnDecision: func(r *routing.Request, d *routing.Decision) {
 			mu.Lock()
 			cur = keyed{tokens: r.Tokens, keys: r.Keys, seed: kvindex.Seed(r.LoRA, r.CacheSalt), overlap: d.Overlap, est: r.Estimated}
 			mu.Unlock()
 		},
-		OnTimings: func(tm routing.Timings) {
+		OnTimings: func(tm engine.Timings) {
 			mu.Lock()
 			cur.hashed = tm.HashedBlocks
 			seen = append(seen, cur)

@@ -14,6 +14,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy/roundrobin"
 )
 
@@ -38,7 +39,7 @@ func (p *hintsPicker) Pick(ctx context.Context, req *routing.Request) (*routing.
 // own; an unknown name keeps the default (no priority), as GIE.
 func TestInferenceObjectivePriority(t *testing.T) {
 	log := slog.New(slog.DiscardHandler)
-	engine := routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: log})
+	engine := engine.Must(roundrobin.New(), engine.Options{}, engine.Deps{Logger: log})
 	t.Cleanup(engine.Close)
 	if err := engine.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}}}); err != nil {
 		t.Fatal(err)

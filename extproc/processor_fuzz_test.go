@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy/roundrobin"
 )
 
@@ -37,7 +38,7 @@ func FuzzProcessor(f *testing.F) {
 		if len(ops) > 64 {
 			ops = ops[:64]
 		}
-		e := routing.MustEngine(roundrobin.New(), routing.Options{SyncIndex: true}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
+		e := engine.Must(roundrobin.New(), engine.Options{SyncIndex: true}, engine.Deps{Logger: slog.New(slog.DiscardHandler)})
 		defer e.Close()
 		if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}, {Key: "10.0.0.2:8000", Models: []routing.ModelName{"m"}}}}); err != nil {
 			t.Fatal(err)

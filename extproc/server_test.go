@@ -22,6 +22,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy/roundrobin"
 )
 
@@ -31,7 +32,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // outcomes are recorded.
 type harness struct {
 	srv    *extproc.Server
-	engine *routing.Engine
+	engine *engine.Engine
 	client extprocv3.ExternalProcessorClient
 	reg    *prometheus.Registry
 	stop   func()
@@ -45,7 +46,7 @@ func newHarness(t *testing.T, cfg extproc.Config, clk clock.Clock, dial ...grpc.
 	t.Helper()
 	h := &harness{reg: prometheus.NewRegistry(), doneC: make(chan routing.Outcome, 16)}
 	log := slog.New(slog.DiscardHandler)
-	h.engine = routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: log, Clock: clk, OnDone: func(_ *routing.Decision, o routing.Outcome) {
+	h.engine = engine.Must(roundrobin.New(), engine.Options{}, engine.Deps{Logger: log, Clock: clk, OnDone: func(_ *routing.Decision, o routing.Outcome) {
 		h.mu.Lock()
 		h.outcomes = append(h.outcomes, o)
 		h.mu.Unlock()
@@ -463,7 +464,7 @@ func metricValue(t *testing.T, reg *prometheus.Registry, name string, labels map
 // gets the chosen rank in x-data-parallel-rank, and a client's own value
 // of that header is replaced.
 func TestDataParallelRankHeader(t *testing.T) {
-	e := routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
+	e := engine.Must(roundrobin.New(), engine.Options{}, engine.Deps{Logger: slog.New(slog.DiscardHandler)})
 	defer e.Close()
 	if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000", DataParallelSize: 2}}}); err != nil {
 		t.Fatal(err)

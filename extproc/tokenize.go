@@ -27,7 +27,7 @@ var ErrNotTokenizable = errors.New("request kind is not tokenized")
 type ModelTokenizer struct {
 	Registry *models.Registry
 	// KeyBlockSize gives the block size to compute block keys at (the
-	// engine's routing.Engine.KeyBlockSize); nil or <= 0: no keys.
+	// the engine's Engine.KeyBlockSize); nil or <= 0: no keys.
 	KeyBlockSize func() int
 }
 

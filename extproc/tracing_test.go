@@ -18,6 +18,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/internal/tracing"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy/roundrobin"
 )
 
@@ -33,7 +34,7 @@ const (
 // immediate response when the request was refused.
 func traceExchange(t *testing.T, tracer *tracing.Tracer, subset string) (*extprocv3.HeaderMutation, *extprocv3.ImmediateResponse) {
 	t.Helper()
-	e := routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
+	e := engine.Must(roundrobin.New(), engine.Options{}, engine.Deps{Logger: slog.New(slog.DiscardHandler)})
 	defer e.Close()
 	if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}, {Key: "10.0.0.2:8000"}}}); err != nil {
 		t.Fatal(err)
@@ -209,7 +210,7 @@ func TestTracingRefusal(t *testing.T) {
 func BenchmarkExtProcExchangeTracing(b *testing.B) {
 	body := chatBody(4 << 10)
 	b.Run("body=4KB/server=kvbandit", func(b *testing.B) {
-		e := routing.MustEngine(roundrobin.New(), routing.Options{}, routing.Deps{Logger: slog.New(slog.DiscardHandler)})
+		e := engine.Must(roundrobin.New(), engine.Options{}, engine.Deps{Logger: slog.New(slog.DiscardHandler)})
 		defer e.Close()
 		if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}, {Key: "10.0.0.2:8000"}}}); err != nil {
 			b.Fatal(err)

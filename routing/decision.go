@@ -3,79 +3,7 @@ package routing
 import (
 	"sync/atomic"
 	"time"
-
-	"github.com/kvbandit/kvbandit/routing/clock"
-	"github.com/kvbandit/kvbandit/routing/slots"
 )
-
-// OutcomeKind says how a request ended.
-type OutcomeKind uint8
-
-// Outcome kinds.
-const (
-	// OutcomeSuccess: the worker answered 2xx and the response completed.
-	OutcomeSuccess OutcomeKind = iota
-	// OutcomeUpstreamError: the worker (or Envoy on its behalf) answered
-	// with an error status.
-	OutcomeUpstreamError
-	// OutcomeCancelled: the client went away or the stream's context ended.
-	OutcomeCancelled
-	// OutcomeReset: the ext_proc stream broke (Envoy reset it).
-	OutcomeReset
-	// OutcomeAbandoned: the server shut down before the response finished,
-	// or response processing was turned off so the end was never seen.
-	OutcomeAbandoned
-	// OutcomeRejected: the decision was made but the request was answered
-	// locally (for example 503 at shutdown) and never reached the worker.
-	OutcomeRejected
-	// OutcomeExpired: the sweeper released a decision whose Done never came.
-	OutcomeExpired
-)
-
-var outcomeNames = [...]string{"success", "upstream_error", "cancelled", "reset", "abandoned", "rejected", "expired"}
-
-// String returns the kind's metric label.
-func (k OutcomeKind) String() string {
-	if int(k) < len(outcomeNames) {
-		return outcomeNames[k]
-	}
-	return "unknown"
-}
-
-// Outcome is what happened to a routed request.
-type Outcome struct {
-	Kind OutcomeKind
-	// Served is the endpoint that really served the request, from the data
-	// plane's x-gateway-destination-endpoint-served; empty when unknown.
-	// The engine hands a policy's Done only a Served that is the chosen
-	// endpoint or one of the current endpoint set; any other value is
-	// cleared and ServedUnknown set, so that a forged value creates no
-	// state.
-	Served EndpointKey
-	// ServedUnknown is set by the engine (callers of Decision.Done leave
-	// it false) when the data plane reported a served endpoint outside the
-	// endpoint set. The outcome then describes no endpoint the policy
-	// knows: policies must learn nothing from it (they still release the
-	// decision's state). The engine counts these outcomes
-	// (kvbandit_served_unknown_total).
-	ServedUnknown bool
-	// Status is the HTTP status from the worker; 0 when none arrived.
-	Status int
-	// TTFT is the time from the decision to the first generated content.
-	TTFT time.Duration
-	// Latency is the time from the decision to the end of the response.
-	Latency time.Duration
-	// PromptTokens, CompletionTokens and CachedTokens come from the usage
-	// the worker reported; -1 when not reported.
-	PromptTokens     int
-	CompletionTokens int
-	CachedTokens     int
-}
-
-// NoUsage returns an Outcome of kind k with the token counts marked unknown.
-func NoUsage(k OutcomeKind) Outcome {
-	return Outcome{Kind: k, PromptTokens: -1, CompletionTokens: -1, CachedTokens: -1}
-}
 
 // Score is one endpoint's score in a decision (higher is better unless the
 // policy documents otherwise).
@@ -150,24 +78,47 @@ type Decision struct {
 	// PD is whether the decision was disaggregated and, if not, why.
 	PD PDOutcome
 
-	// state is the policy's private per-decision state (Choice.State).
-	state any
-	// num is the engine's decision number (ID in base 36).
-	num uint64
-	// share is what a peer replica needs to reproduce the decision's load
-	// and learn from its outcome ([Decision.Share]); set at commit.
-	share     shareInfo
-	live      *Live
-	entry     *slots.Entry
-	timer     clock.Timer
+	// state is the policy's private per-decision state (Choice.State) and
+	// preState a disaggregated decision's prefill choice's; ticket is the
+	// engine's hold on a committed decision (nil otherwise).
+	state     any
+	preState  any
+	ticket    Ticket
 	done      atomic.Bool
-	onEnd     func(*Decision, Outcome)
-	onFirst   func()
 	prefilled atomic.Bool
-	// pre is a disaggregated decision's hold on its prefill endpoint and
-	// preState the prefill choice's policy state.
-	pre      *prefillHold
-	preState any
+}
+
+// Ticket is the engine's side of a committed decision: the load it holds
+// and what ending it releases. The engine that made the decision
+// implements it; [Decision] calls First at most once, on the first
+// Prefilled before Done, and End exactly once, on the first Done.
+type Ticket interface {
+	// First reports the first generated content.
+	First(d *Decision)
+	// End releases the decision's load and hands o to the policy.
+	End(d *Decision, o Outcome)
+	// ReleasePrefill releases a disaggregated decision's prefill hold;
+	// it is idempotent and does nothing for an aggregated one.
+	ReleasePrefill()
+	// PrefillHeld reports whether the prefill hold is still held.
+	PrefillHeld() bool
+	// Number is the decision's number on this replica (ID in base 36).
+	Number() uint64
+	// Share and ShareOutcome describe the decision and its outcome for
+	// peer replicas (see [Decision.Share]).
+	Share(d *Decision) RemoteStart
+	ShareOutcome(d *Decision, o Outcome) (RemoteOutcome, bool)
+}
+
+// Bind attaches the policy-private states (the Choice's, and a
+// disaggregated decision's prefill choice's) and the engine's ticket to d,
+// once, before the engine returns d. A nil ticket marks d finished: a
+// decision of Score, whose Done does nothing.
+func (d *Decision) Bind(state, preState any, t Ticket) {
+	d.state, d.preState, d.ticket = state, preState, t
+	if t == nil {
+		d.done.Store(true)
+	}
 }
 
 // Prefilled reports that the response's first generated content arrived:
@@ -179,9 +130,8 @@ func (d *Decision) Prefilled() {
 	if d == nil || d.done.Load() || !d.prefilled.CompareAndSwap(false, true) {
 		return
 	}
-	d.pre.release()
-	if d.onFirst != nil {
-		d.onFirst()
+	if d.ticket != nil {
+		d.ticket.First(d)
 	}
 }
 
@@ -191,8 +141,8 @@ func (d *Decision) Prefilled() {
 // (the standalone proxy's fallback). It does nothing when the decision is
 // aggregated or the hold is already released.
 func (d *Decision) ReleasePrefill() {
-	if d != nil {
-		d.pre.release()
+	if d != nil && d.ticket != nil {
+		d.ticket.ReleasePrefill()
 	}
 }
 
@@ -203,12 +153,8 @@ func (d *Decision) Done(o Outcome) bool {
 	if d == nil || !d.done.CompareAndSwap(false, true) {
 		return false
 	}
-	if d.live != nil {
-		d.live.InFlight.Add(-1)
-	}
-	d.pre.release()
-	if d.onEnd != nil {
-		d.onEnd(d, o)
+	if d.ticket != nil {
+		d.ticket.End(d, o)
 	}
 	return true
 }
@@ -223,10 +169,45 @@ func (d *Decision) PrefillState() any { return d.preState }
 
 // PrefillHeld reports whether a disaggregated decision still holds its
 // prefill endpoint (no first token and no Done yet).
-func (d *Decision) PrefillHeld() bool { return d.pre != nil && !d.pre.released.Load() }
+func (d *Decision) PrefillHeld() bool { return d.ticket != nil && d.ticket.PrefillHeld() }
 
 // Finished reports whether Done was called.
 func (d *Decision) Finished() bool { return d.done.Load() }
+
+// Number is the decision's number on this replica (its ID in base 36),
+// unique per engine; 0 for a decision that was not committed.
+func (d *Decision) Number() uint64 {
+	if d.ticket == nil {
+		return 0
+	}
+	return d.ticket.Number()
+}
+
+// Share returns what a peer replica needs to carry this decision's load
+// and session (the engine's StartRemote). Blocks is the decision's own
+// block key slice, shared: neither side may modify it. A tenant, prefix id
+// or model longer than [MaxRemoteString] is left out (a long tenant or
+// prefix id drops the session: the other replicas then give the session no
+// affinity, never someone else's). Share does not allocate; it is the zero
+// RemoteStart for a decision that was not committed.
+func (d *Decision) Share() RemoteStart {
+	if d.ticket == nil {
+		return RemoteStart{}
+	}
+	return d.ticket.Share(d)
+}
+
+// ShareOutcome returns what a peer replica needs to learn from this
+// decision's outcome o as the engine handed it to the policy (the engine's
+// OnDone hook receives it so). ok is false when the outcome teaches
+// nothing anywhere: it was served by an endpoint outside the set
+// (Outcome.ServedUnknown), or the decision was not committed.
+func (d *Decision) ShareOutcome(o Outcome) (RemoteOutcome, bool) {
+	if d.ticket == nil {
+		return RemoteOutcome{}, false
+	}
+	return d.ticket.ShareOutcome(d, o)
+}
 
 // NewTestDecision returns a decision for endpoint ep carrying the policy
 // state st, as a policy's Done receives it. It is for policy unit tests,
@@ -279,4 +260,37 @@ func SessionTurnOf(hadLast, stayed bool) SessionTurn {
 		return SessionSticky
 	}
 	return SessionSwitch
+}
+
+// PDOutcome says whether a decision was disaggregated (prefill on another
+// endpoint) and, when it was not, why.
+type PDOutcome uint8
+
+// P/D outcomes. The zero value is PDNoPrefillEndpoints: the pool has no
+// prefill-role endpoint, and the request is routed exactly as without
+// roles.
+const (
+	PDNoPrefillEndpoints PDOutcome = iota
+	// PDDisaggregated: Decision.Prefill names the prefill endpoint.
+	PDDisaggregated
+	// PDNoBody: the request has no prompt tokens to prefill.
+	PDNoBody
+	// PDBelowThreshold: the tokens left to prefill on the chosen decode
+	// endpoint are below the threshold.
+	PDBelowThreshold
+	// PDNoEligiblePrefill: no prefill or both endpoint is eligible (model,
+	// subset hint, ejection), or the only one is the decode endpoint.
+	PDNoEligiblePrefill
+	// PDOutcomeCount is the number of P/D outcomes.
+	PDOutcomeCount
+)
+
+var pdNames = [PDOutcomeCount]string{"no_prefill_endpoints", "disaggregated", "no_body", "below_threshold", "no_eligible_prefill"}
+
+// String is the outcome's metric label.
+func (o PDOutcome) String() string {
+	if o < PDOutcomeCount {
+		return pdNames[o]
+	}
+	return "unknown"
 }

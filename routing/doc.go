@@ -1,67 +1,26 @@
-// Package routing decides which worker serves an inference request.
+// Package routing is the vocabulary every part of kvbandit's router speaks:
+// the value types of a routing decision and the interfaces between its
+// parts, with small pure helpers on them. It holds no machine: the engine
+// that uses the vocabulary is routing/engine, and the policies, the KV
+// index, discovery and the rest are sibling packages that import this one.
 //
-// # Overview
+//   - Endpoints: [Endpoint], [EndpointSet] (checked by
+//     [EndpointSet.Validate] before any swap), [EndpointKey], [Role], and
+//     [EndpointState] with its [Live] counters that outlive snapshots.
+//   - Requests: [Request] with its [Hints], [Subset] and precomputed
+//     [BlockKeys].
+//   - Scoring: what a [Policy] sees ([Scoring], [Candidate], [Load]) and
+//     answers ([Choice], [Prediction]); optional policy abilities
+//     ([PrefillChooser], [Predictor], [RemoteStarter], [RemoteLearner],
+//     [OutcomeAware]).
+//   - Decisions: [Decision], ended exactly once by [Decision.Done] with an
+//     [Outcome]; the engine's side of it is a [Ticket]. [Picker] and
+//     [Scorer] are what callers of the engine use.
+//   - Replicas: [RemoteStart] and [RemoteOutcome], what peers exchange,
+//     with their bounds.
+//   - Errors the ext_proc layer maps to statuses: [ErrNoEndpoints],
+//     [ErrSubsetEmpty], [ErrModelNotFound], [ErrOverloaded].
 //
-// The request path calls [Engine.Pick] with a [Request] (model, token ids or
-// an estimate, hints, subset, priority) and gets back a [*Decision] naming
-// the endpoint. The decision carries a Done callback: the caller reports the
-// request's [Outcome] through [Decision.Done] exactly once, whatever way the
-// request ends, so load accounting and learning need no second lookup.
-//
-// Which endpoint is chosen is up to a [Policy]. Policies live in
-// routing/policy/<name> and are registered in one place
-// (routing/policy/registry.go). The engine does the parts every policy
-// shares: candidate filtering by model and subset hint, in-flight
-// accounting, decision ids and the exactly-once Done.
-//
-// # Concurrency
-//
-// Pick never blocks and never takes a lock shared with other requests. It
-// reads an immutable [snapshot] published with atomic.Pointer by
-// [Engine.Update]; discovery sources call Update from their own goroutines
-// after the new [EndpointSet] passed [EndpointSet.Validate]. Live
-// per-endpoint counters ([EndpointState]) are carried by pointer from one
-// snapshot to the next, so a swap never resets in-flight counts, and a
-// decision whose endpoint was removed still decrements the right counter.
-// Randomness comes from [Rand], a lock-free seeded source.
-//
-// A decision hashes the prompt into chained block keys (routing/kvindex),
-// reads the KV index (sharded read locks) and each candidate's in-flight
-// load (routing/slots: one small lock per endpoint rank), and asks the
-// policy. Committing it charges the chosen rank's slot and, for endpoints
-// without KV events, queues an approximate index insert that the engine's
-// index goroutine applies (inline with Options.SyncIndex, for virtual-time
-// runs). The admission queue, when on, is the only place Pick may wait.
-//
-// # Lifecycle
-//
-// Pick increments the endpoint's in-flight count and returns a Decision.
-// Done(Outcome) decrements it and forwards the outcome to the policy's
-// learner. Done is idempotent: the first call wins, later calls are counted
-// and ignored. Callers (the ext_proc stream, the proxy) call Done on
-// success, upstream error, client cancel, stream reset and shutdown.
-//
-// In a pool with prefill-role endpoints ([Role]) and a [Disaggregator] in
-// Deps.PD, the policy chooses among the decode and both endpoints, and the
-// disaggregator may name a prefill endpoint ([Decision.Prefill]). That
-// endpoint then counts the request in flight, with its prompt as prefill
-// load, until [Decision.Prefilled] (the first token) or Done, whichever
-// comes first; the decode endpoint carries the request until Done, with no
-// prefill tokens. A pool without prefill endpoints never reaches the
-// disaggregator.
-//
-// # Peer replicas
-//
-// Replicas that route for the same fleet (active-active, over routing/sync)
-// share their decisions: [Decision.Share] describes a committed decision's
-// load and session, and a peer applies it with [Engine.StartRemote], which
-// charges the same slot, approximate index and prefix state a local
-// decision would, and counts it in [Live.RemoteInFlight]; the returned
-// [RemoteDecision] is ended by the sync layer (the peer's end, a snapshot
-// replacing the peer's set, the peer's TTL) or after Options.StaleAfter.
-// Outcomes travel the same way ([Decision.ShareOutcome],
-// [Engine.LearnRemote]) to the policies that learn ([RemoteLearner]);
-// endpoint health stays local. A disaggregated decision is shared by its
-// decode side only: peers do not see its prefill hold. Peers' decisions are bounded in number and
-// held block keys (Options.MaxRemoteDecisions, Options.RemoteBlockBudget).
+// This package imports nothing of kvbandit but routing/slots (the in-flight
+// slot a [Rank] holds).
 package routing

@@ -157,6 +157,11 @@ type Request struct {
 	Arrival time.Time
 }
 
+// DefaultBlockSize is the KV block size in tokens (Dynamo's and vLLM's
+// default) of endpoints whose block size is not known otherwise
+// (--router-block-size).
+const DefaultBlockSize = 16
+
 // BlockKeys are the chained keys of a prompt's complete blocks for one block
 // size and seed: kvindex.AppendBlockKeys(nil, Tokens, BlockSize, Seed). The
 // engine uses them for the endpoints whose block size is BlockSize when Seed

@@ -57,27 +57,3 @@ func (c *Candidate) EffectiveOverlap(w TierWeights) float64 {
 	w = w.OrDefault()
 	return float64(c.Overlap)*w.GPU + float64(c.OverlapCPU)*w.CPU + float64(c.OverlapDisk)*w.Disk
 }
-
-// TierBlocks is an endpoint's KV blocks per medium as the index has them,
-// summed over its data-parallel ranks.
-type TierBlocks struct {
-	// GPU is the blocks indexed for the endpoint's GPU cache (event-fed
-	// and approximate); CPU and Disk its lower tiers' blocks, from KV
-	// events with those media.
-	GPU  int `json:"gpu"`
-	CPU  int `json:"cpu"`
-	Disk int `json:"disk"`
-}
-
-// TierBlocks returns what the index holds for st per medium. It does not
-// lock.
-func (e *Engine) TierBlocks(st *EndpointState) TierBlocks {
-	var tb TierBlocks
-	for _, rs := range st.ranks {
-		c, d := e.index.TierSizes(rs.worker)
-		tb.GPU += e.index.Size(rs.worker)
-		tb.CPU += c
-		tb.Disk += d
-	}
-	return tb
-}

@@ -19,18 +19,21 @@ import (
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/engine"
 )
 
 // ModelsPath lists the fleet's models: the proxy answers GET /v1/models
 // (and GET /v1/models/{id}) itself instead of forwarding it to one worker.
 const ModelsPath = "/v1/models"
 
-// Fleet lists the current endpoint set. *routing.Engine implements it.
+// Fleet lists the current endpoint set and the LoRA adapters each
+// endpoint's worker reported. *engine.Engine implements it.
 type Fleet interface {
 	Endpoints() []*routing.EndpointState
+	ScrapedAdapters(ep routing.EndpointKey) []routing.ModelName
 }
 
-var _ Fleet = (*routing.Engine)(nil)
+var _ Fleet = (*engine.Engine)(nil)
 
 // Limits of the /v1/models listing: a worker's answer is hostile input.
 const (
@@ -129,7 +132,7 @@ func (l *modelLister) list(ctx context.Context) ([]Model, error) {
 		}
 	}
 	for _, e := range eps {
-		for _, names := range [][]routing.ModelName{e.Models, e.Adapters, e.ScrapedAdapters()} {
+		for _, names := range [][]routing.ModelName{e.Models, e.Adapters, l.fleet.ScrapedAdapters(e.Key)} {
 			for _, n := range names {
 				add(Model{ID: string(n), Object: "model", OwnedBy: ownedByDeclared})
 			}

@@ -25,6 +25,7 @@ import (
 	"github.com/kvbandit/kvbandit/internal/tracing"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
@@ -39,13 +40,13 @@ const RoutePath = "/v1/route"
 
 // Engine is what the proxy needs from the routing engine: committed picks
 // for proxied requests and side-effect-free scoring for /v1/route.
-// *routing.Engine implements it.
+// *engine.Engine implements it.
 type Engine interface {
 	routing.Picker
 	routing.Scorer
 }
 
-var _ Engine = (*routing.Engine)(nil)
+var _ Engine = (*engine.Engine)(nil)
 
 // Limits on the proxy's HTTP exchanges.
 const (
@@ -155,7 +156,7 @@ type Deps struct {
 	// objectives are not discovered (see hints.ApplyObjective).
 	Objectives hints.Priorities
 	// Fleet lists the endpoints whose models GET /v1/models lists; nil:
-	// Engine, when it is a Fleet (*routing.Engine is), else /v1/models is
+	// Engine, when it is a Fleet (*engine.Engine is), else /v1/models is
 	// forwarded like any other path.
 	Fleet Fleet
 	// Tracer records each proxied request's spans and hands the trace

@@ -25,6 +25,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc/proxy"
 	"github.com/kvbandit/kvbandit/internal/tracing"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
 )
@@ -83,7 +84,7 @@ func (o *outcomes) wait(t *testing.T, n int) []routing.Outcome {
 }
 
 type fixture struct {
-	engine  *routing.Engine
+	engine  *engine.Engine
 	proxy   *proxy.Proxy
 	url     string
 	client  *http.Client
@@ -144,11 +145,11 @@ func newFixture(t testing.TB, o options) *fixture {
 	if c, ok := pol.(interface{ Close() error }); ok {
 		t.Cleanup(func() { c.Close() })
 	}
-	rdeps := routing.Deps{Logger: slog.New(slog.DiscardHandler), Rand: rnd, OnDone: f.out.onDone, OnDecision: f.out.onDecision}
+	rdeps := engine.Deps{Logger: slog.New(slog.DiscardHandler), Rand: rnd, OnDone: f.out.onDone, OnDecision: f.out.onDecision}
 	if o.pd != nil {
 		rdeps.PD = o.pd
 	}
-	f.engine = routing.MustEngine(pol, routing.Options{}, rdeps)
+	f.engine = engine.Must(pol, engine.Options{}, rdeps)
 	t.Cleanup(f.engine.Close)
 	if len(eps) > 0 {
 		if err := f.engine.Update(routing.EndpointSet{Source: "test", Endpoints: eps}); err != nil {

@@ -16,6 +16,7 @@ import (
 	"github.com/kvbandit/kvbandit/internal/tlsconfig"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	rsync "github.com/kvbandit/kvbandit/routing/sync"
 )
 
@@ -63,7 +64,7 @@ const (
 // adminState is what the admin pages read.
 type adminState struct {
 	reg    *prometheus.Registry
-	engine *routing.Engine
+	engine *engine.Engine
 	hub    *discovery.Hub
 	policy string
 	ep     *extproc.Server
@@ -106,16 +107,16 @@ func (st adminState) endpoints(w http.ResponseWriter, _ *http.Request) {
 		RemoteInFlight int64               `json:"remote_inflight"`
 		FleetInFlight  int64               `json:"fleet_inflight"`
 		Decisions      int64               `json:"decisions"`
-		Health         routing.Health      `json:"health"`
+		Health         engine.Health       `json:"health"`
 		Scraped        []routing.ModelName `json:"scraped_adapters,omitempty"`
 		// KVBlocks is what the KV index holds for it, per medium.
-		KVBlocks routing.TierBlocks `json:"kv_blocks"`
+		KVBlocks engine.TierBlocks `json:"kv_blocks"`
 	}
 	var rows []row
 	now := st.engine.Clock().Now()
 	for _, e := range st.engine.Endpoints() {
 		local, remote := e.InFlight.Load(), e.RemoteInFlight.Load()
-		rows = append(rows, row{e.Endpoint, e.Role.String(), local, remote, local + remote, e.Decisions.Load(), e.Health(now), e.ScrapedAdapters(), st.engine.TierBlocks(e)})
+		rows = append(rows, row{e.Endpoint, e.Role.String(), local, remote, local + remote, e.Decisions.Load(), st.engine.Health(e.Key, now), st.engine.ScrapedAdapters(e.Key), st.engine.TierBlocks(e)})
 	}
 	w.Header().Set("content-type", "application/json")
 	ds := st.hub.Stats()

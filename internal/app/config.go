@@ -10,6 +10,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/admission"
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
@@ -251,9 +252,9 @@ func DefaultFileConfig() FileConfig {
 		PrefixState: PrefixStateConfig{TTLSecs: prefixstate.DefaultTTL.Seconds(), MaxEntries: prefixstate.DefaultMaxEntries},
 		DecisionLog: DecisionLogConfig{Format: "csv"},
 		Tokenizer:   TokenizerConfig{CacheBytes: 64 << 20, TimeoutSecs: 5},
-		Health: HealthConfig{ConsecutiveErrors: routing.DefaultConsecutiveErrors, BaseEjectionSecs: routing.DefaultBaseEjection.Seconds(),
-			MaxEjectionSecs: routing.DefaultMaxEjection.Seconds(), ScrapeFailures: routing.DefaultScrapeFailures,
-			AdapterRetentionSecs: routing.DefaultAdapterRetention.Seconds()},
+		Health: HealthConfig{ConsecutiveErrors: engine.DefaultConsecutiveErrors, BaseEjectionSecs: engine.DefaultBaseEjection.Seconds(),
+			MaxEjectionSecs: engine.DefaultMaxEjection.Seconds(), ScrapeFailures: engine.DefaultScrapeFailures,
+			AdapterRetentionSecs: engine.DefaultAdapterRetention.Seconds()},
 	}
 }
 
@@ -398,9 +399,9 @@ func (d *DiscoveryConfig) validate(static bool) error {
 func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
 
 // engineOptions turns the file's router section into engine options.
-func (c *FileConfig) engineOptions(fallbacks int) routing.Options {
+func (c *FileConfig) engineOptions(fallbacks int) engine.Options {
 	r := c.Router
-	return routing.Options{
+	return engine.Options{
 		Fallbacks:                fallbacks,
 		PassThroughUnknownModels: c.PassThroughUnknownModels,
 		BlockSize:                r.BlockSize,
@@ -412,7 +413,7 @@ func (c *FileConfig) engineOptions(fallbacks int) routing.Options {
 			PruneTargetRatio: r.PruneTargetRatio,
 			MaxEventEntries:  r.MaxEventBlocksPerWorker,
 		},
-		Ejection: routing.EjectionOptions{
+		Ejection: engine.EjectionOptions{
 			ConsecutiveErrors: c.Health.ConsecutiveErrors, BaseEjection: secs(c.Health.BaseEjectionSecs),
 			MaxEjection: secs(c.Health.MaxEjectionSecs), ScrapeFailures: c.Health.ScrapeFailures, Disabled: c.Health.Disabled,
 		},

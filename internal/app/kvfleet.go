@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/kvevents"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 )
@@ -20,7 +21,7 @@ import (
 // address) are closed.
 type kvFleet struct {
 	ctx    context.Context
-	engine *routing.Engine
+	engine *engine.Engine
 	log    *slog.Logger
 	// publish, when set (active-active replicas), republishes the
 	// messages a worker sends to a bound socket (kv_events_bind), which
@@ -38,7 +39,7 @@ type kvSub struct {
 	sub *kvevents.Sub
 }
 
-func newKVFleet(ctx context.Context, engine *routing.Engine, log *slog.Logger) *kvFleet {
+func newKVFleet(ctx context.Context, engine *engine.Engine, log *slog.Logger) *kvFleet {
 	return &kvFleet{ctx: ctx, engine: engine, log: log, subs: map[routing.EndpointKey]*kvSub{}, retired: map[string]uint64{}}
 }
 

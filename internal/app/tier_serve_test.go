@@ -13,7 +13,7 @@ import (
 	"github.com/go-zeromq/zmq4"
 	"github.com/vmihailenco/msgpack/v5"
 
-	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 )
 
 // TestServeIndexesCPUTier: vLLM with its OffloadingConnector publishes the
@@ -57,14 +57,14 @@ func TestServeIndexesCPUTier(t *testing.T) {
 	}
 	var dbg struct {
 		Endpoints []struct {
-			Address  string             `json:"address"`
-			KVBlocks routing.TierBlocks `json:"kv_blocks"`
+			Address  string            `json:"address"`
+			KVBlocks engine.TierBlocks `json:"kv_blocks"`
 		} `json:"endpoints"`
 	}
 	if err := json.Unmarshal([]byte(get(t, base+"/debug/endpoints")), &dbg); err != nil {
 		t.Fatal(err)
 	}
-	if len(dbg.Endpoints) != 1 || dbg.Endpoints[0].KVBlocks != (routing.TierBlocks{GPU: 1, CPU: 2}) {
+	if len(dbg.Endpoints) != 1 || dbg.Endpoints[0].KVBlocks != (engine.TierBlocks{GPU: 1, CPU: 2}) {
 		t.Fatalf("/debug/endpoints: %+v, want gpu 1, cpu 2", dbg.Endpoints)
 	}
 }

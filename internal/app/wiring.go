@@ -18,6 +18,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/decisionlog"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
@@ -29,7 +30,7 @@ import (
 
 // engineParts is what buildEngine wires up; close releases it in order.
 type engineParts struct {
-	engine *routing.Engine
+	engine *engine.Engine
 	policy routing.Policy
 	// sync shares state with the pool's other replicas; nil without
 	// --sync-nats / sync.nats.servers.
@@ -166,7 +167,7 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 		parts.close()
 		return nil, err
 	}
-	engine, err := routing.NewEngine(pol, opts, routing.Deps{
+	eng, err := engine.New(pol, opts, engine.Deps{
 		Logger: log, Rand: rnd, Clock: clk, Gate: gate, PD: disagg,
 		OnDecision: func(req *routing.Request, d *routing.Decision) {
 			rm.overlap.Observe(float64(d.Overlap))
@@ -185,7 +186,7 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 				sy.OnFirst(d)
 			}
 		},
-		OnTimings: func(tm routing.Timings) {
+		OnTimings: func(tm engine.Timings) {
 			rm.phHash.Observe(tm.Hash.Seconds())
 			rm.hashedBlocks.Add(float64(tm.HashedBlocks))
 			rm.phLookup.Observe(tm.Lookup.Seconds())
@@ -207,19 +208,19 @@ func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg promethe
 		parts.close()
 		return nil, fmt.Errorf("%w: %w", ErrUsage, err)
 	}
-	parts.closes = append(parts.closes, engine.Close)
-	parts.engine = engine
+	parts.closes = append(parts.closes, eng.Close)
+	parts.engine = eng
 	if sy != nil {
 		// Closed before the engine (closes run in reverse): a peer's
 		// decision applied after the engine's Close would panic.
 		parts.closes = append(parts.closes, func() { _ = sy.Close() })
-		if err := sy.Start(engine); err != nil {
+		if err := sy.Start(eng); err != nil {
 			parts.close()
 			return nil, fmt.Errorf("%w: sync: %w", ErrUsage, err)
 		}
 		log.Info("active-active replicas: sharing state over NATS", "replica", sy.Status().Replica, "pool", sy.Status().Pool, "subject", sy.Subject())
 	}
-	reg.MustRegister(routing.NewCollector(engine), gate)
+	reg.MustRegister(engine.NewCollector(eng), gate)
 	if kb, ok := pol.(*kvbandit.Policy); ok {
 		reg.MustRegister(posteriorCollector{kb})
 	}

@@ -47,7 +47,7 @@ type Gate interface {
 	Pickable(key routing.EndpointKey) bool
 }
 
-// Engine is the part of [routing.Engine] the hub drives.
+// Engine is the part of [engine.Engine] the hub drives.
 type Engine interface {
 	Update(set routing.EndpointSet) error
 	Endpoints() []*routing.EndpointState

@@ -17,24 +17,25 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-func newEngine(t *testing.T) *routing.Engine {
+func newEngine(t *testing.T) *engine.Engine {
 	t.Helper()
 	rnd := routing.NewRand(1)
 	p, err := policy.Builtin().New("round_robin", policy.Deps{Rand: rnd})
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := routing.MustEngine(p, routing.Options{}, routing.Deps{Rand: rnd})
+	e := engine.Must(p, engine.Options{}, engine.Deps{Rand: rnd})
 	t.Cleanup(e.Close)
 	return e
 }
 
-func keys(e *routing.Engine) []string {
+func keys(e *engine.Engine) []string {
 	var out []string
 	for _, st := range e.Endpoints() {
 		out = append(out, string(st.Key))

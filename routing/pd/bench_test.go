@@ -34,7 +34,7 @@ func BenchmarkPickRoles(b *testing.B) {
 						}
 					}
 				}
-				e := engine(b, pol, 0, eps...)
+				e := newEngine(b, pol, 0, eps...)
 				family := tokens(ntok, 1)
 				for i := range n {
 					keys := kvindex.AppendBlockKeys(nil, family[:ntok*(i+1)/(n+1)], routing.DefaultBlockSize, kvindex.Seed("", ""))

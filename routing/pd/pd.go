@@ -56,12 +56,11 @@ func (c Config) Validate() error {
 	return nil
 }
 
-// Decider is the [routing.Disaggregator].
+// Decider is the engine's disaggregation stage (routing/engine calls
+// Split after the policy has chosen the decode endpoint).
 type Decider struct {
 	cfg Config
 }
-
-var _ routing.Disaggregator = (*Decider)(nil)
 
 // New returns a decider; cfg must be valid.
 func New(cfg Config) (*Decider, error) {
@@ -71,7 +70,10 @@ func New(cfg Config) (*Decider, error) {
 	return &Decider{cfg: cfg}, nil
 }
 
-// Split implements [routing.Disaggregator].
+// Split decides, after the policy has chosen the decode candidate dec,
+// whether the request prefills elsewhere: the index in pre.Candidates of
+// the prefill endpoint with PDDisaggregated, or -1 and why it stays
+// aggregated. With commit false it has no side effects.
 func (d *Decider) Split(pre *routing.Scoring, dec *routing.Candidate, p routing.Policy, commit bool) (int, any, routing.PDOutcome) {
 	if pre.ISL <= 0 {
 		return -1, nil, routing.PDNoBody

@@ -11,6 +11,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
@@ -32,14 +33,14 @@ func ep(key string, r routing.Role) routing.Endpoint {
 
 // engine builds an engine with policy name, seed 1, synchronous index
 // inserts, and the P/D decider when threshold >= 0.
-func engine(t testing.TB, name string, threshold int, eps ...routing.Endpoint) *routing.Engine {
+func newEngine(t testing.TB, name string, threshold int, eps ...routing.Endpoint) *engine.Engine {
 	t.Helper()
 	rnd := routing.NewRand(1)
 	p, err := policy.Builtin().New(name, policy.Deps{Rand: rnd})
 	if err != nil {
 		t.Fatal(err)
 	}
-	deps := routing.Deps{Rand: rnd, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	deps := engine.Deps{Rand: rnd, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
 	if threshold >= 0 {
 		d, err := pd.New(pd.Config{ThresholdTokens: threshold})
 		if err != nil {
@@ -48,7 +49,7 @@ func engine(t testing.TB, name string, threshold int, eps ...routing.Endpoint) *
 		deps.PD = d
 	}
 	_, bench := t.(*testing.B)
-	e, err := routing.NewEngine(p, routing.Options{SyncIndex: !bench}, deps)
+	e, err := engine.New(p, engine.Options{SyncIndex: !bench}, deps)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -71,7 +72,7 @@ func req(toks []uint32) *routing.Request {
 	return &routing.Request{Model: "m", Tokens: toks, TokenCount: len(toks)}
 }
 
-func pick(t testing.TB, e *routing.Engine, r *routing.Request) *routing.Decision {
+func pick(t testing.TB, e *engine.Engine, r *routing.Request) *routing.Decision {
 	t.Helper()
 	d, err := e.Pick(t.Context(), r)
 	if err != nil {
@@ -81,7 +82,7 @@ func pick(t testing.TB, e *routing.Engine, r *routing.Request) *routing.Decision
 }
 
 // cache records toks as cached on key's worker in the index.
-func cache(t testing.TB, e *routing.Engine, key string, toks []uint32) {
+func cache(t testing.TB, e *engine.Engine, key string, toks []uint32) {
 	t.Helper()
 	keys := kvindex.AppendBlockKeys(nil, toks, routing.DefaultBlockSize, kvindex.Seed("", ""))
 	if err := e.Index().InsertApprox(e.Index().Worker(key, -1), routing.DefaultBlockSize, keys, time.Now()); err != nil {
@@ -92,7 +93,7 @@ func cache(t testing.TB, e *routing.Engine, key string, toks []uint32) {
 // load is an endpoint's live counters.
 type load struct{ inflight, prefill int64 }
 
-func loads(e *routing.Engine) map[routing.EndpointKey]load {
+func loads(e *engine.Engine) map[routing.EndpointKey]load {
 	out := map[routing.EndpointKey]load{}
 	for _, st := range e.Endpoints() {
 		out[st.Key] = load{st.InFlight.Load(), st.InFlightPrefill()}
@@ -100,7 +101,7 @@ func loads(e *routing.Engine) map[routing.EndpointKey]load {
 	return out
 }
 
-func wantLoads(t *testing.T, e *routing.Engine, what string, want map[routing.EndpointKey]load) {
+func wantLoads(t *testing.T, e *engine.Engine, what string, want map[routing.EndpointKey]load) {
 	t.Helper()
 	got := loads(e)
 	for k, w := range want {
@@ -117,7 +118,7 @@ func TestNoPrefillEndpointsRoutesAsBefore(t *testing.T) {
 	for _, name := range []string{"kv", "kvbandit", "round_robin", "least_loaded", "random", "thompson", "weighted"} {
 		t.Run(name, func(t *testing.T) {
 			eps := []routing.Endpoint{ep(dec1, routing.RoleBoth), ep(dec2, routing.RoleDecode), ep(both, routing.RoleBoth)}
-			with, without := engine(t, name, 0, eps...), engine(t, name, -1, eps...)
+			with, without := newEngine(t, name, 0, eps...), newEngine(t, name, -1, eps...)
 			var open []*routing.Decision
 			for i := range 40 {
 				r := req(tokens(64+97*(i%7), uint32(1+i%5*1000)))
@@ -143,7 +144,7 @@ func TestNoPrefillEndpointsRoutesAsBefore(t *testing.T) {
 // TestThreshold: a long uncached prompt is disaggregated; a short one, or
 // one whose prefix the decode endpoint caches, stays aggregated.
 func TestThreshold(t *testing.T) {
-	e := engine(t, "kv", 512, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill), ep(pre2, routing.RolePrefill))
+	e := newEngine(t, "kv", 512, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill), ep(pre2, routing.RolePrefill))
 	long := pick(t, e, req(tokens(2048, 1)))
 	if long.PD != routing.PDDisaggregated || long.Endpoint != dec1 || (long.Prefill != pre1 && long.Prefill != pre2) {
 		t.Fatalf("long prompt: %v, decode %s, prefill %q", long.PD, long.Endpoint, long.Prefill)
@@ -172,7 +173,7 @@ func TestThreshold(t *testing.T) {
 // whose subset hint leaves no prefill endpoint, stays aggregated; a pool
 // of prefill endpoints only has nowhere to decode.
 func TestNoBodyAndNoEligiblePrefill(t *testing.T) {
-	e := engine(t, "kv", 0, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill), ep(both, routing.RoleBoth))
+	e := newEngine(t, "kv", 0, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill), ep(both, routing.RoleBoth))
 	d := pick(t, e, &routing.Request{Model: "m"})
 	if d.PD != routing.PDNoBody || d.Prefill != "" || d.Endpoint == pre1 {
 		t.Fatalf("no body: %v prefill %q on %s", d.PD, d.Prefill, d.Endpoint)
@@ -204,7 +205,7 @@ func TestNoBodyAndNoEligiblePrefill(t *testing.T) {
 func TestPrefillFollowsOverlap(t *testing.T) {
 	for _, name := range []string{"kv", "kvbandit"} {
 		t.Run(name, func(t *testing.T) {
-			e := engine(t, name, 0, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill), ep(pre2, routing.RolePrefill))
+			e := newEngine(t, name, 0, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill), ep(pre2, routing.RolePrefill))
 			var prompt []uint32
 			for i, warm := range []string{pre2, pre1} {
 				prompt = tokens(4096, uint32(1+i*50000))
@@ -240,7 +241,7 @@ func TestPrefillFollowsOverlap(t *testing.T) {
 // a rotation of its own; random and least_loaded pick a prefill endpoint
 // among the prefill ones.
 func TestRolesPickedIndependently(t *testing.T) {
-	e := engine(t, "round_robin", 0, ep(dec1, routing.RoleDecode), ep(dec2, routing.RoleDecode), ep(pre1, routing.RolePrefill), ep(pre2, routing.RolePrefill), ep("10.0.1.3:8000", routing.RolePrefill))
+	e := newEngine(t, "round_robin", 0, ep(dec1, routing.RoleDecode), ep(dec2, routing.RoleDecode), ep(pre1, routing.RolePrefill), ep(pre2, routing.RolePrefill), ep("10.0.1.3:8000", routing.RolePrefill))
 	var got []string
 	for i := range 6 {
 		d := pick(t, e, req(tokens(1024, uint32(1+i*5000))))
@@ -252,7 +253,7 @@ func TestRolesPickedIndependently(t *testing.T) {
 		t.Fatalf("round robin: got %v, want %v", got, want)
 	}
 	for _, name := range []string{"random", "least_loaded", "thompson", "weighted"} {
-		e := engine(t, name, 0, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill), ep(pre2, routing.RolePrefill))
+		e := newEngine(t, name, 0, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill), ep(pre2, routing.RolePrefill))
 		seen := map[routing.EndpointKey]int{}
 		for i := range 40 {
 			d := pick(t, e, req(tokens(1024, uint32(1+i*5000))))
@@ -273,7 +274,7 @@ func TestRolesPickedIndependently(t *testing.T) {
 // endpoint does (with no prefill tokens: it receives the KV cache); every
 // exit path releases both, and the index records the prompt on both.
 func TestAccounting(t *testing.T) {
-	e := engine(t, "kv", 0, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill))
+	e := newEngine(t, "kv", 0, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill))
 	prompt := tokens(1000, 1)
 	d := pick(t, e, req(prompt))
 	if d.Prefill != pre1 || !d.PrefillHeld() {
@@ -319,7 +320,7 @@ func TestAccounting(t *testing.T) {
 // TestScoreHasNoSideEffects: Engine.Score of a pool with prefill endpoints
 // names the prefill endpoint but holds nothing.
 func TestScoreHasNoSideEffects(t *testing.T) {
-	e := engine(t, "round_robin", 0, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill), ep(pre2, routing.RolePrefill))
+	e := newEngine(t, "round_robin", 0, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill), ep(pre2, routing.RolePrefill))
 	for range 3 {
 		d, err := e.Score(t.Context(), req(tokens(1024, 1)))
 		if err != nil || d.Prefill != pre1 || d.PD != routing.PDDisaggregated {
@@ -344,8 +345,8 @@ func TestConfig(t *testing.T) {
 // stay aggregated); when every decode endpoint is ejected, requests still
 // route to them (as when a whole pool is ejected) instead of failing.
 func TestEjection(t *testing.T) {
-	e := engine(t, "kv", 0, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill))
-	for range routing.DefaultScrapeFailures {
+	e := newEngine(t, "kv", 0, ep(dec1, routing.RoleDecode), ep(pre1, routing.RolePrefill))
+	for range engine.DefaultScrapeFailures {
 		e.ReportScrapeFailure(pre1)
 	}
 	d := pick(t, e, req(tokens(2048, 1)))
@@ -354,7 +355,7 @@ func TestEjection(t *testing.T) {
 	}
 	d.Done(routing.NoUsage(routing.OutcomeSuccess))
 	e.ReportLoad(pre1, routing.Load{Known: true}, 0) // a good scrape ends it
-	for range routing.DefaultScrapeFailures {
+	for range engine.DefaultScrapeFailures {
 		e.ReportScrapeFailure(dec1)
 	}
 	d = pick(t, e, req(tokens(2048, 5000)))

@@ -6,7 +6,7 @@
 // load for data-parallel workers. A [Scraper] polls every target each
 // interval with bounded concurrency, publishes each good sample, and marks
 // a target stale when it has not answered for a while. [EnginePublish]
-// hands samples to a [routing.Engine] (load, block size, per-rank load and
+// hands samples to a [engine.Engine] (load, block size, per-rank load and
 // LoRA adapters) and [EngineFailure] reports failed scrapes to it, which
 // ejects endpoints whose metrics stop answering.
 //

@@ -1,8 +1,11 @@
 package scrape
 
-import "github.com/kvbandit/kvbandit/routing"
+import (
+	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
+)
 
-// Endpoints is the part of [routing.Engine] that EngineTargets and
+// Endpoints is the part of [engine.Engine] that EngineTargets and
 // EnginePublish use.
 type Endpoints interface {
 	Endpoints() []*routing.EndpointState
@@ -22,14 +25,14 @@ func EngineTargets(e Endpoints) func() []Target {
 	}
 }
 
-// Reporter is the part of [routing.Engine] that takes scraped load.
+// Reporter is the part of [engine.Engine] that takes scraped load.
 type Reporter interface {
 	ReportLoad(ep routing.EndpointKey, ld routing.Load, blockSize int) bool
 	ReportAdapters(ep routing.EndpointKey, adapters []routing.ModelName) bool
 	ReportRankLoads(ep routing.EndpointKey, ranks []routing.Load) bool
 }
 
-var _ Reporter = (*routing.Engine)(nil)
+var _ Reporter = (*engine.Engine)(nil)
 
 // EnginePublish returns a Deps.Publish that reports each sample to the
 // engine: the LoRA adapters the worker runs (vllm:lora_requests_info), the
@@ -71,13 +74,13 @@ func (s Sample) rankLoads() []routing.Load {
 	return out
 }
 
-// FailureReporter is the part of [routing.Engine] that takes failed
+// FailureReporter is the part of [engine.Engine] that takes failed
 // scrapes.
 type FailureReporter interface {
 	ReportScrapeFailure(ep routing.EndpointKey) bool
 }
 
-var _ FailureReporter = (*routing.Engine)(nil)
+var _ FailureReporter = (*engine.Engine)(nil)
 
 // EngineFailure returns a Deps.OnError that reports every failed scrape
 // (timeout, non-200 status, oversized or malformed body, no load metrics,

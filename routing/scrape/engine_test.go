@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/scrape"
 )
@@ -26,7 +27,7 @@ func TestEngineAdapters(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := routing.MustEngine(p, routing.Options{}, routing.Deps{Rand: rnd, Clock: clock.NewVirtual(time.Unix(0, 0))})
+	e := engine.Must(p, engine.Options{}, engine.Deps{Rand: rnd, Clock: clock.NewVirtual(time.Unix(0, 0))})
 	t.Cleanup(e.Close)
 	w := newWorker(t, serve(sglangMetrics))
 	key := w.target().Key
@@ -77,7 +78,7 @@ func TestParseLoRAAdapters(t *testing.T) {
 }
 
 // healthEngine is a round-robin engine on a virtual clock.
-func healthEngine(t *testing.T, opts routing.Options, eps ...routing.Endpoint) *routing.Engine {
+func healthEngine(t *testing.T, opts engine.Options, eps ...routing.Endpoint) *engine.Engine {
 	t.Helper()
 	rnd := routing.NewRand(1)
 	p, err := policy.Builtin().New("round_robin", policy.Deps{Rand: rnd})
@@ -85,7 +86,7 @@ func healthEngine(t *testing.T, opts routing.Options, eps ...routing.Endpoint) *
 		t.Fatal(err)
 	}
 	opts.SyncIndex = true
-	e := routing.MustEngine(p, opts, routing.Deps{Rand: rnd, Clock: clock.NewVirtual(time.Unix(1_700_000_000, 0)), Logger: slog.New(slog.DiscardHandler)})
+	e := engine.Must(p, opts, engine.Deps{Rand: rnd, Clock: clock.NewVirtual(time.Unix(1_700_000_000, 0)), Logger: slog.New(slog.DiscardHandler)})
 	t.Cleanup(e.Close)
 	if err := e.Update(routing.EndpointSet{Source: "test", Endpoints: eps}); err != nil {
 		t.Fatal(err)
@@ -93,10 +94,10 @@ func healthEngine(t *testing.T, opts routing.Options, eps ...routing.Endpoint) *
 	return e
 }
 
-func ejected(e *routing.Engine, key string) bool {
+func ejected(e *engine.Engine, key string) bool {
 	for _, st := range e.Endpoints() {
 		if string(st.Key) == key {
-			return st.Ejected(e.Clock().Now())
+			return e.Ejected(st.Key, e.Clock().Now())
 		}
 	}
 	return false
@@ -109,7 +110,7 @@ func TestEngineRoutesScrapedAdapters(t *testing.T) {
 	w := newWorker(t, serve(loraMetrics(t)))
 	key := w.target().Key
 	const other = "10.0.0.9:8000"
-	e := healthEngine(t, routing.Options{},
+	e := healthEngine(t, engine.Options{},
 		routing.Endpoint{Key: routing.EndpointKey(key), Models: []routing.ModelName{"meta-llama/Llama-3.1-8B-Instruct"}},
 		routing.Endpoint{Key: other, Models: []routing.ModelName{"meta-llama/Llama-3.1-8B-Instruct"}})
 	sql := &routing.Request{Model: "sql-lora"}
@@ -173,7 +174,7 @@ func TestEngineFailureEjects(t *testing.T) {
 				bad(rw, r)
 			})
 			key := w.target().Key
-			e := healthEngine(t, routing.Options{}, routing.Endpoint{Key: routing.EndpointKey(key)}, routing.Endpoint{Key: "10.0.0.9:8000"})
+			e := healthEngine(t, engine.Options{}, routing.Endpoint{Key: routing.EndpointKey(key)}, routing.Endpoint{Key: "10.0.0.9:8000"})
 			var logged atomic.Int64
 			s := scrape.New(scrape.Config{Timeout: 300 * time.Millisecond}, scrape.Deps{
 				Client:  newClient(t),

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
@@ -26,10 +27,10 @@ const (
 	SyncNone Sync = iota
 	// SyncNATS models routing/sync over NATS Core (serve --sync-nats):
 	// every decision's start ([routing.Decision.Share]), first token and
-	// end are applied on every other replica ([routing.Engine.StartRemote],
-	// [routing.RemoteDecision.Prefilled], [routing.RemoteDecision.End]),
+	// end are applied on every other replica ([engine.Engine.StartRemote],
+	// [engine.RemoteDecision.Prefilled], [engine.RemoteDecision.End]),
 	// and its outcome learnt ([routing.Decision.ShareOutcome],
-	// [routing.Engine.LearnRemote]), Config.SyncDelay of virtual time
+	// [engine.Engine.LearnRemote]), Config.SyncDelay of virtual time
 	// after it happened. Nothing is lost or reordered (the model has no
 	// faults), so snapshots and heartbeats, which only repair losses, are
 	// not modelled.
@@ -88,13 +89,13 @@ func validateReplicas(cfg *Config) error {
 // SyncNATS, its decisions as applied on its peers.
 type replica struct {
 	idx   int
-	eng   *routing.Engine
+	eng   *engine.Engine
 	close []func()
 	// remote holds, by this replica's decision number, the decision as
 	// each peer applied it (indexed by peer; nil for itself or when the
 	// peer refused it). An entry is made when the start is applied and
 	// removed when the end is.
-	remote map[uint64][]*routing.RemoteDecision
+	remote map[uint64][]*engine.RemoteDecision
 	// batchEnd is when this replica's open batch of sync items is
 	// published (-1: none open).
 	batchEnd time.Duration
@@ -145,7 +146,7 @@ func (s *simulation) newReplica(cfg *Config, i, blockSize int) (*replica, error)
 		r.shut()
 		return nil, fmt.Errorf("sim: %w", err)
 	}
-	deps := routing.Deps{Logger: s.log, Clock: s.vc, Rand: rnd, Gate: gate}
+	deps := engine.Deps{Logger: s.log, Clock: s.vc, Rand: rnd, Gate: gate}
 	if cfg.PD != nil {
 		dis, err := pd.New(*cfg.PD)
 		if err != nil {
@@ -155,12 +156,12 @@ func (s *simulation) newReplica(cfg *Config, i, blockSize int) (*replica, error)
 		deps.PD = dis
 	}
 	if cfg.Sync == SyncNATS && max(cfg.Replicas, 1) > 1 {
-		r.remote = make(map[uint64][]*routing.RemoteDecision)
+		r.remote = make(map[uint64][]*engine.RemoteDecision)
 		deps.OnDecision = func(_ *routing.Request, d *routing.Decision) { s.shareStart(r, d) }
 		deps.OnFirst = func(d *routing.Decision) { s.shareFirst(r, d) }
 		deps.OnDone = func(d *routing.Decision, o routing.Outcome) { s.shareDone(r, d, o) }
 	}
-	eng, err := routing.NewEngine(pol, routing.Options{BlockSize: blockSize, SyncIndex: true, StaleAfter: staleAfter, TierWeights: cfg.TierWeights}, deps)
+	eng, err := engine.New(pol, engine.Options{BlockSize: blockSize, SyncIndex: true, StaleAfter: staleAfter, TierWeights: cfg.TierWeights}, deps)
 	if err != nil {
 		r.shut()
 		return nil, fmt.Errorf("sim: %w", err)
@@ -214,7 +215,7 @@ func (s *simulation) publish(from *replica, apply func()) {
 func (s *simulation) shareStart(from *replica, d *routing.Decision) {
 	n, st := d.Number(), d.Share()
 	s.publish(from, func() {
-		rds := make([]*routing.RemoteDecision, len(s.reps))
+		rds := make([]*engine.RemoteDecision, len(s.reps))
 		for _, p := range s.reps {
 			if p == from {
 				continue

@@ -69,10 +69,7 @@ type Gate struct {
 	metricDesc        *prometheus.Desc
 }
 
-var (
-	_ routing.Gate         = (*Gate)(nil)
-	_ prometheus.Collector = (*Gate)(nil)
-)
+var _ prometheus.Collector = (*Gate)(nil)
 
 // New returns a gate for cfg (defaults applied).
 func New(cfg Config) (*Gate, error) {
@@ -85,7 +82,7 @@ func New(cfg Config) (*Gate, error) {
 	}, nil
 }
 
-// Filter implements routing.Gate: it returns the indexes of s.Candidates
+// Filter is the engine's objectives stage: it returns the indexes of s.Candidates
 // the policy may choose from, ascending, or nil for all of them, or an
 // error wrapping routing.ErrOverloaded for a sheddable request that cannot
 // meet its objective (counted as shed when commit is set).
@@ -138,7 +135,7 @@ func (g *Gate) choose(s *routing.Scoring, preds []routing.Prediction, obj time.D
 
 // Observe counts a committed decision's outcome against its objective
 // (routing.Decision.Objective); decisions without one are ignored. Wire
-// it into routing.Deps.OnDone.
+// it into engine.Deps.OnDone.
 func (g *Gate) Observe(d *routing.Decision, o routing.Outcome) {
 	if d == nil || d.Objective <= 0 {
 		return

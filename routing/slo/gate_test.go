@@ -12,6 +12,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/slo"
 )
 
@@ -177,9 +178,9 @@ func TestConfigValidate(t *testing.T) {
 	}
 }
 
-func newEngine(t *testing.T, p routing.Policy, g *slo.Gate, keys ...string) *routing.Engine {
+func newEngine(t *testing.T, p routing.Policy, g *slo.Gate, keys ...string) *engine.Engine {
 	t.Helper()
-	e, err := routing.NewEngine(p, routing.Options{SyncIndex: true}, routing.Deps{Rand: routing.NewRand(1), Gate: g, OnDone: g.Observe})
+	e, err := engine.New(p, engine.Options{SyncIndex: true}, engine.Deps{Rand: routing.NewRand(1), Gate: g, OnDone: g.Observe})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/sync/natstest"
 )
 
@@ -23,9 +24,9 @@ func BenchmarkLocalSide(b *testing.B) {
 		hooks, peer bool
 	}{{"sync=off", false, false}, {"sync=on", true, false}, {"sync=on+peer", true, true}} {
 		b.Run(c.name, func(b *testing.B) {
-			a := newNodeWith(b, testConfig(srv, "a-"+c.name), routing.Options{}, c.hooks)
+			a := newNodeWith(b, testConfig(srv, "a-"+c.name), engine.Options{}, c.hooks)
 			if c.peer {
-				waitConnected(b, a, newNode(b, testConfig(srv, "peer-"+c.name), routing.Options{}))
+				waitConnected(b, a, newNode(b, testConfig(srv, "peer-"+c.name), engine.Options{}))
 			} else {
 				waitFor(b, 10*time.Second, "connected", func() bool { return !a.s.Degraded() })
 			}

@@ -6,7 +6,7 @@
 // # Overview
 //
 // A [Syncer] has a local side and a remote side. The local side is three
-// hooks the serve wiring connects to routing.Deps (OnDecision, OnFirst,
+// hooks the serve wiring connects to engine.Deps (OnDecision, OnFirst,
 // OnDone): each turns the event into a wire item (a Start from
 // Decision.Share, a First, an End and an Outcome from
 // Decision.ShareOutcome) and queues it without blocking. A flusher

@@ -10,6 +10,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/sync/natstest"
 	"github.com/kvbandit/kvbandit/routing/sync/wire"
 )
@@ -44,9 +45,9 @@ func (k *kvSink) received() []wire.KVEvents {
 func TestKVEventsRepublished(t *testing.T) {
 	srv := natstest.Start(t, natstest.Options{})
 	sa, sb := &kvSink{}, &kvSink{fail: "10.9.9.9:1"}
-	a := newNodeDeps(t, testConfig(srv, "a"), routing.Options{}, true, Deps{OnKVEvents: sa.on})
-	b := newNodeDeps(t, testConfig(srv, "b"), routing.Options{}, true, Deps{OnKVEvents: sb.on})
-	c := newNode(t, testConfig(srv, "c"), routing.Options{})
+	a := newNodeDeps(t, testConfig(srv, "a"), engine.Options{}, true, Deps{OnKVEvents: sa.on})
+	b := newNodeDeps(t, testConfig(srv, "b"), engine.Options{}, true, Deps{OnKVEvents: sb.on})
+	c := newNode(t, testConfig(srv, "c"), engine.Options{})
 	waitConnected(t, a, b, c)
 
 	big := bytes.Repeat([]byte{0xab}, wire.MaxMessage-kvOverhead-len("10.0.0.1:8000"))

@@ -17,7 +17,7 @@ const (
 	urgentBytes = maxBody * 3 / 4
 )
 
-// OnDecision is the routing.Deps.OnDecision hook: it queues the
+// OnDecision is the engine.Deps.OnDecision hook: it queues the
 // decision's Start and records it in the in-flight set. It never blocks.
 func (s *Syncer) OnDecision(_ *routing.Request, d *routing.Decision) {
 	id := d.Number()
@@ -45,7 +45,7 @@ func (s *Syncer) OnDecision(_ *routing.Request, d *routing.Decision) {
 	s.lmu.Unlock()
 }
 
-// OnFirst is the routing.Deps.OnFirst hook: the decision's first token.
+// OnFirst is the engine.Deps.OnFirst hook: the decision's first token.
 func (s *Syncer) OnFirst(d *routing.Decision) {
 	id := d.Number()
 	if id == 0 {
@@ -59,7 +59,7 @@ func (s *Syncer) OnFirst(d *routing.Decision) {
 	s.lmu.Unlock()
 }
 
-// OnDone is the routing.Deps.OnDone hook: it queues the decision's End and
+// OnDone is the engine.Deps.OnDone hook: it queues the decision's End and
 // its Outcome (when it teaches anything) and forgets the decision.
 func (s *Syncer) OnDone(d *routing.Decision, o routing.Outcome) {
 	id := d.Number()

@@ -9,6 +9,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/sync/wire"
 )
 
@@ -27,7 +28,7 @@ type peer struct {
 
 // remote is one applied peer decision.
 type remote struct {
-	rd       *routing.RemoteDecision
+	rd       *engine.RemoteDecision
 	deadline time.Time // zero: no TTL
 }
 

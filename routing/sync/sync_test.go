@@ -14,6 +14,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
@@ -44,7 +45,7 @@ func (w *syncBuf) String() string {
 // prefix store) and a Syncer connected to it.
 type node struct {
 	name string
-	e    *routing.Engine
+	e    *engine.Engine
 	pol  *kvbandit.Policy
 	s    *Syncer
 	reg  *prometheus.Registry
@@ -70,21 +71,21 @@ func testConfig(srv *natstest.Server, replica string) Config {
 	return c
 }
 
-func newNode(t testing.TB, cfg Config, opts routing.Options) *node {
+func newNode(t testing.TB, cfg Config, opts engine.Options) *node {
 	t.Helper()
 	return newNodeWith(t, cfg, opts, true)
 }
 
 // newNodeWith makes a node; without hooks the engine does not feed the
 // Syncer (a baseline for benchmarks).
-func newNodeWith(t testing.TB, cfg Config, opts routing.Options, hooks bool) *node {
+func newNodeWith(t testing.TB, cfg Config, opts engine.Options, hooks bool) *node {
 	t.Helper()
 	return newNodeDeps(t, cfg, opts, hooks, Deps{})
 }
 
 // newNodeDeps makes a node whose Syncer gets deps (Logger and Registry
 // are the node's).
-func newNodeDeps(t testing.TB, cfg Config, opts routing.Options, hooks bool, deps Deps) *node {
+func newNodeDeps(t testing.TB, cfg Config, opts engine.Options, hooks bool, deps Deps) *node {
 	t.Helper()
 	n := &node{name: cfg.Replica, reg: prometheus.NewRegistry(), log: &syncBuf{}}
 	deps.Logger, deps.Registry = slog.New(slog.NewTextHandler(n.log, nil)), n.reg
@@ -104,11 +105,11 @@ func newNodeDeps(t testing.TB, cfg Config, opts routing.Options, hooks bool, dep
 	}
 	n.pol = p.(*kvbandit.Policy)
 	opts.SyncIndex = true
-	rdeps := routing.Deps{Rand: rnd, Logger: slog.New(slog.DiscardHandler)}
+	rdeps := engine.Deps{Rand: rnd, Logger: slog.New(slog.DiscardHandler)}
 	if hooks {
 		rdeps.OnDecision, rdeps.OnFirst, rdeps.OnDone = s.OnDecision, s.OnFirst, s.OnDone
 	}
-	e, err := routing.NewEngine(p, opts, rdeps)
+	e, err := engine.New(p, opts, rdeps)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -230,9 +231,9 @@ func waitConnected(t testing.TB, nodes ...*node) {
 // teach B's posteriors; a session pinned through A sticks on B.
 func TestSharesInFlightAndEnds(t *testing.T) {
 	srv := natstest.Start(t, natstest.Options{})
-	a := newNode(t, testConfig(srv, "a"), routing.Options{})
-	b := newNode(t, testConfig(srv, "b"), routing.Options{})
-	c := newNode(t, testConfig(srv, "c"), routing.Options{})
+	a := newNode(t, testConfig(srv, "a"), engine.Options{})
+	b := newNode(t, testConfig(srv, "b"), engine.Options{})
+	c := newNode(t, testConfig(srv, "c"), engine.Options{})
 	waitConnected(t, a, b, c)
 
 	var ds []*routing.Decision
@@ -295,8 +296,8 @@ func TestSharesInFlightAndEnds(t *testing.T) {
 // would) is repaired by A's next snapshot.
 func TestSnapshotRepairsDroppedEnd(t *testing.T) {
 	srv := natstest.Start(t, natstest.Options{})
-	a := newNode(t, testConfig(srv, "a"), routing.Options{})
-	b := newNode(t, testConfig(srv, "b"), routing.Options{})
+	a := newNode(t, testConfig(srv, "a"), engine.Options{})
+	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
 	d1, d2 := a.pick(t, "", 1), a.pick(t, "", 2)
 	waitFor(t, time.Second, "B applies A's decisions", func() bool { return b.remoteInFlight() == 2 })
@@ -322,8 +323,8 @@ func TestSnapshotRepairsDroppedEnd(t *testing.T) {
 // decisions dropped by its peers after the peer TTL.
 func TestPeerTTLExpiry(t *testing.T) {
 	srv := natstest.Start(t, natstest.Options{})
-	a := newNode(t, testConfig(srv, "a"), routing.Options{})
-	b := newNode(t, testConfig(srv, "b"), routing.Options{})
+	a := newNode(t, testConfig(srv, "a"), engine.Options{})
+	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
 	var ds []*routing.Decision
 	for i := range 5 {
@@ -354,8 +355,8 @@ func TestPeerTTLExpiry(t *testing.T) {
 // including decisions made and ended during the outage) within 2 s.
 func TestNATSKillRestart(t *testing.T) {
 	srv := natstest.Start(t, natstest.Options{})
-	a := newNode(t, testConfig(srv, "a"), routing.Options{})
-	b := newNode(t, testConfig(srv, "b"), routing.Options{})
+	a := newNode(t, testConfig(srv, "a"), engine.Options{})
+	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
 	before := []*routing.Decision{a.pick(t, "", 1), a.pick(t, "", 2), a.pick(t, "", 3)}
 	waitFor(t, time.Second, "B applies A's decisions", func() bool { return b.remoteInFlight() == 3 })
@@ -386,8 +387,8 @@ func TestNATSKillRestart(t *testing.T) {
 // TestTLSUserPassword: TLS with a generated CA and user/password works.
 func TestTLSUserPassword(t *testing.T) {
 	srv := natstest.Start(t, natstest.Options{TLS: true, User: "kv", Password: "s3cret"})
-	a := newNode(t, testConfig(srv, "a"), routing.Options{})
-	b := newNode(t, testConfig(srv, "b"), routing.Options{})
+	a := newNode(t, testConfig(srv, "a"), engine.Options{})
+	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
 	d := a.pick(t, "", 1)
 	waitFor(t, time.Second, "B applies A's decision over TLS", func() bool { return b.remoteInFlight() == 1 })
@@ -398,8 +399,8 @@ func TestTLSUserPassword(t *testing.T) {
 // TestMTLSToken: mutual TLS with a token works.
 func TestMTLSToken(t *testing.T) {
 	srv := natstest.Start(t, natstest.Options{MTLS: true, Token: "tok-123"})
-	a := newNode(t, testConfig(srv, "a"), routing.Options{})
-	b := newNode(t, testConfig(srv, "b"), routing.Options{})
+	a := newNode(t, testConfig(srv, "a"), engine.Options{})
+	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
 }
 
@@ -409,7 +410,7 @@ func TestWrongPassword(t *testing.T) {
 	srv := natstest.Start(t, natstest.Options{User: "kv", Password: "right"})
 	cfg := testConfig(srv, "a")
 	cfg.Password = "wrong"
-	a := newNode(t, cfg, routing.Options{})
+	a := newNode(t, cfg, engine.Options{})
 	time.Sleep(1500 * time.Millisecond) // ~10 attempts at 100 ms + jitter
 	if !a.s.Degraded() || a.counter(t, "kvbandit_sync_degraded") != 1 {
 		t.Fatal("connected with a wrong password?")
@@ -437,7 +438,7 @@ func TestUnreachableAtStart(t *testing.T) {
 	cfg := testConfig(srv, "a")
 	srv.Kill()
 	t0 := time.Now()
-	a := newNode(t, cfg, routing.Options{})
+	a := newNode(t, cfg, engine.Options{})
 	if d := time.Since(t0); d > time.Second {
 		t.Errorf("Start blocked %v on an unreachable server", d)
 	}
@@ -454,7 +455,7 @@ func TestUnreachableAtStart(t *testing.T) {
 // replica flooding Starts are counted and bounded, never a crash.
 func TestHostileMessages(t *testing.T) {
 	srv := natstest.Start(t, natstest.Options{})
-	b := newNode(t, testConfig(srv, "b"), routing.Options{MaxRemoteDecisions: 100})
+	b := newNode(t, testConfig(srv, "b"), engine.Options{MaxRemoteDecisions: 100})
 	waitFor(t, 5*time.Second, "b connected", func() bool { return !b.s.Degraded() })
 	// The attacker is another Syncer-shaped publisher: a raw connection.
 	evil := rawPublisher(t, srv, "kvbandit.p")
@@ -496,8 +497,8 @@ func TestHostileMessages(t *testing.T) {
 // and the peer ends with nothing in flight.
 func TestMessagesPerDecisionUnderLoad(t *testing.T) {
 	srv := natstest.Start(t, natstest.Options{})
-	a := newNode(t, testConfig(srv, "a"), routing.Options{})
-	b := newNode(t, testConfig(srv, "b"), routing.Options{})
+	a := newNode(t, testConfig(srv, "a"), engine.Options{})
+	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
 	const workers, each = 4, 500
 	before := a.counter(t, "kvbandit_sync_messages_total", "direction", "sent", "kind", "batch")

@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/sync/wire"
 )
 
@@ -34,7 +35,7 @@ const (
 	DefaultReconnectWait     = 250 * time.Millisecond
 	// DefaultDecisionTTL is the TTL sent with every Start: how long peers
 	// keep a decision without an End (the engine's stale bound).
-	DefaultDecisionTTL = routing.DefaultStaleAfter
+	DefaultDecisionTTL = engine.DefaultStaleAfter
 )
 
 // ErrConfig is wrapped by New for an invalid Config.
@@ -95,14 +96,14 @@ func (t TLSConfig) enabled() bool {
 	return t.CA != "" || t.Cert != "" || t.Key != "" || t.ServerName != "" || t.InsecureSkipVerify
 }
 
-// Engine is what a Syncer needs of the routing engine; *routing.Engine
+// Engine is what a Syncer needs of the routing engine; *engine.Engine
 // implements it.
 type Engine interface {
-	StartRemote(routing.RemoteStart) (*routing.RemoteDecision, error)
+	StartRemote(routing.RemoteStart) (*engine.RemoteDecision, error)
 	LearnRemote(routing.RemoteOutcome) error
 }
 
-var _ Engine = (*routing.Engine)(nil)
+var _ Engine = (*engine.Engine)(nil)
 
 // Deps are a Syncer's injected dependencies; nil fields get defaults.
 type Deps struct {
@@ -192,7 +193,7 @@ func subjectToken(s string) string {
 }
 
 // Syncer shares this replica's decisions with its peers and applies
-// theirs. Make one with New, connect the hooks to routing.Deps, then
+// theirs. Make one with New, connect the hooks to engine.Deps, then
 // Start it with the engine.
 type Syncer struct {
 	cfg   Config

@@ -11,7 +11,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/discovery/eds"
 )
 
-// fakeEngine is the part of routing.Engine the hub drives; it records the
+// fakeEngine is the part of engine.Engine the hub drives; it records the
 // sets it is given.
 type fakeEngine struct {
 	mu      sync.Mutex

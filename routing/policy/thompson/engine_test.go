@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy/thompson"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
@@ -22,7 +23,7 @@ var (
 type fixture struct {
 	clk *clock.Virtual
 	p   *thompson.Policy
-	e   *routing.Engine
+	e   *engine.Engine
 
 	mu      sync.Mutex
 	rewards []thompson.Reward
@@ -46,7 +47,7 @@ func newFixture(t testing.TB, cfg thompson.Config, endpoints ...string) *fixture
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = f.p.Close() })
-	f.e = routing.MustEngine(f.p, routing.Options{}, routing.Deps{Clock: f.clk, Rand: rnd, Logger: quiet})
+	f.e = engine.Must(f.p, engine.Options{}, engine.Deps{Clock: f.clk, Rand: rnd, Logger: quiet})
 	t.Cleanup(f.e.Close)
 	var set routing.EndpointSet
 	for _, k := range endpoints {
@@ -240,9 +241,9 @@ func TestCloseStopsTimers(t *testing.T) {
 	}
 	_ = f.p.Close()
 	// Past the policy's 120 s, before the engine's own stale-decision
-	// sweep (routing.DefaultStaleAfter), whose OutcomeExpired would teach
+	// sweep (engine.DefaultStaleAfter), whose OutcomeExpired would teach
 	// the timeout reward through Done.
-	f.clk.Step(routing.DefaultStaleAfter - time.Second)
+	f.clk.Step(engine.DefaultStaleAfter - time.Second)
 	if st := f.p.Stats(); st.Timeouts != 0 || st.Pending != 0 {
 		t.Fatalf("%+v", st)
 	}
@@ -258,7 +259,7 @@ func TestRealClockTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer p.Close()
-	e := routing.MustEngine(p, routing.Options{}, routing.Deps{Rand: routing.NewRand(1), Logger: quiet})
+	e := engine.Must(p, engine.Options{}, engine.Deps{Rand: routing.NewRand(1), Logger: quiet})
 	defer e.Close()
 	if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "10.0.0.1:8000"}}}); err != nil {
 		t.Fatal(err)

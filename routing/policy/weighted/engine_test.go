@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/policy/weighted"
@@ -21,7 +22,7 @@ const (
 
 // newEngine builds the weighted policy the way `kvbandit serve --policy
 // weighted` does, through the registry, over three endpoints.
-func newEngine(t *testing.T, opts routing.Options) *routing.Engine {
+func newEngine(t *testing.T, opts engine.Options) *engine.Engine {
 	t.Helper()
 	clk := clock.NewVirtual(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 	rnd := routing.NewRand(5)
@@ -30,7 +31,7 @@ func newEngine(t *testing.T, opts routing.Options) *routing.Engine {
 		t.Fatal(err)
 	}
 	opts.SyncIndex = true
-	e := routing.MustEngine(p, opts, routing.Deps{Rand: rnd, Clock: clk, Logger: slog.New(slog.DiscardHandler)})
+	e := engine.Must(p, opts, engine.Deps{Rand: rnd, Clock: clk, Logger: slog.New(slog.DiscardHandler)})
 	t.Cleanup(e.Close)
 	set := routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: epA}, {Key: epB}, {Key: epC}}}
 	if err := e.Update(set); err != nil {
@@ -51,7 +52,7 @@ func request(toks []uint32) *routing.Request {
 	return &routing.Request{Tokens: toks, TokenCount: len(toks)}
 }
 
-func report(t *testing.T, e *routing.Engine, ep routing.EndpointKey, waiting, kv float64) {
+func report(t *testing.T, e *engine.Engine, ep routing.EndpointKey, waiting, kv float64) {
 	t.Helper()
 	if !e.ReportLoad(ep, routing.Load{Waiting: waiting, KVUsage: kv, Known: true}, 0) {
 		t.Fatalf("ReportLoad(%s) refused", ep)
@@ -63,7 +64,7 @@ func report(t *testing.T, e *routing.Engine, ep routing.EndpointKey, waiting, kv
 // queue and a nearly full cache, an idle endpoint wins (3.2 vs 3.8), and
 // the fallbacks follow the descending scores.
 func TestEngineCacheThenLoad(t *testing.T) {
-	e := newEngine(t, routing.Options{Fallbacks: 2})
+	e := newEngine(t, engine.Options{Fallbacks: 2})
 	toks := prompt(64, 100) // 4 blocks of 16
 	var blocks []kvindex.StoredBlock
 	for i := range 4 {
@@ -113,7 +114,7 @@ func TestEngineCacheThenLoad(t *testing.T) {
 // score uses the engine's in-flight counts, so concurrent cold requests
 // spread over the endpoints instead of herding.
 func TestEngineWithoutScrapesSpreadsByInFlight(t *testing.T) {
-	e := newEngine(t, routing.Options{})
+	e := newEngine(t, engine.Options{})
 	var open []*routing.Decision
 	seen := map[routing.EndpointKey]int{}
 	for i := range 6 {

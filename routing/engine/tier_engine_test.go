@@ -1,9 +1,9 @@
-package routing_test
+package engine_test
 
 import (
 	"testing"
 
-	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 )
 
@@ -14,7 +14,7 @@ import (
 func TestLowerTierOverlapReachesPolicies(t *testing.T) {
 	for _, name := range []string{"kv", "weighted"} {
 		t.Run(name, func(t *testing.T) {
-			e := engineWith(t, name, routing.Options{}, nil, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
+			e := engineWith(t, name, engine.Options{}, nil, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
 			prompt := tokens(128, 70)
 			var blocks []kvindex.StoredBlock
 			var hashes []uint64

@@ -1,4 +1,4 @@
-package routing_test
+package engine_test
 
 import (
 	"fmt"
@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 )
 
@@ -48,7 +49,7 @@ func benchPickWith(b *testing.B, pol string, n, ntok int, prep func(*routing.Req
 	// The warm prefixes hold about n·ntok/32 entries (2.1M at 512 × 128k),
 	// more than the default cap; a cap that never prunes keeps every
 	// endpoint's prefix, as the smaller cases have it.
-	e := engineWith(b, pol, routing.Options{Index: kvindex.Options{MaxEntries: 1 << 24}}, nil, eps...)
+	e := engineWith(b, pol, engine.Options{Index: kvindex.Options{MaxEntries: 1 << 24}}, nil, eps...)
 	// Warm: each endpoint caches a prefix of the family (length by index)
 	// and holds in-flight requests. Prefix keys of a chain are the chain's
 	// leading keys, so the family is hashed once.

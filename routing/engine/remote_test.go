@@ -1,4 +1,4 @@
-package routing_test
+package engine_test
 
 import (
 	"errors"
@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
@@ -20,11 +21,11 @@ import (
 // replica is one kvbandit replica of a test: an engine with its own policy
 // and prefix store, on a clock shared by the replicas of the test.
 type replica struct {
-	e     *routing.Engine
+	e     *engine.Engine
 	store *prefixstate.Store
 }
 
-func newReplica(t testing.TB, name string, seed int64, clk clock.Clock, opts routing.Options, eps ...routing.Endpoint) replica {
+func newReplica(t testing.TB, name string, seed int64, clk clock.Clock, opts engine.Options, eps ...routing.Endpoint) replica {
 	t.Helper()
 	if _, bench := t.(*testing.B); !bench {
 		opts.SyncIndex = true
@@ -46,7 +47,7 @@ func newReplica(t testing.TB, name string, seed int64, clk clock.Clock, opts rou
 	if c, ok := p.(interface{ Close() error }); ok {
 		t.Cleanup(func() { c.Close() })
 	}
-	e, err := routing.NewEngine(p, opts, routing.Deps{Rand: rnd, Clock: clk, Logger: quiet()})
+	e, err := engine.New(p, opts, engine.Deps{Rand: rnd, Clock: clk, Logger: quiet()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +74,7 @@ type load struct {
 	blocks                 []int64
 }
 
-func loads(e *routing.Engine) map[routing.EndpointKey]load {
+func loads(e *engine.Engine) map[routing.EndpointKey]load {
 	out := map[routing.EndpointKey]load{}
 	for _, st := range e.Endpoints() {
 		out[st.Key] = load{st.InFlight.Load(), st.RemoteInFlight.Load(), st.InFlightPrefill(), st.ActiveBlocks()}
@@ -83,7 +84,7 @@ func loads(e *routing.Engine) map[routing.EndpointKey]load {
 
 // fleetLoad is loads with local and remote in-flight counts summed: what a
 // replica believes the fleet's load is.
-func fleetLoad(e *routing.Engine) map[routing.EndpointKey]load {
+func fleetLoad(e *engine.Engine) map[routing.EndpointKey]load {
 	out := loads(e)
 	for k, l := range out {
 		out[k] = load{local: l.local + l.remote, prefill: l.prefill, blocks: l.blocks}
@@ -104,7 +105,7 @@ func sameLoad(a, b map[routing.EndpointKey]load) bool {
 	return true
 }
 
-func mustStart(t testing.TB, e *routing.Engine, s routing.RemoteStart) *routing.RemoteDecision {
+func mustStart(t testing.TB, e *engine.Engine, s routing.RemoteStart) *engine.RemoteDecision {
 	t.Helper()
 	rd, err := e.StartRemote(s)
 	if err != nil {
@@ -120,10 +121,10 @@ func mustStart(t testing.TB, e *routing.Engine, s routing.RemoteStart) *routing.
 func TestRemoteStartLoadsLikeLocal(t *testing.T) {
 	clk := virtualClock()
 	eps := fleet(4)
-	a := newReplica(t, "kv", 1, clk, routing.Options{}, eps...)
-	b := newReplica(t, "kv", 2, clk, routing.Options{}, eps...)
+	a := newReplica(t, "kv", 1, clk, engine.Options{}, eps...)
+	b := newReplica(t, "kv", 2, clk, engine.Options{}, eps...)
 	var local []*routing.Decision
-	var remote []*routing.RemoteDecision
+	var remote []*engine.RemoteDecision
 	for i := range 10 {
 		// Two prompt families, so that requests share prefixes.
 		d, err := a.e.Pick(t.Context(), req(tokens(128+32*i, uint32(1+i%2*100_000))))
@@ -190,9 +191,9 @@ func TestRemoteStartLoadsLikeLocal(t *testing.T) {
 func TestRemoteBurstSpreadsLikeOneEngine(t *testing.T) {
 	clk := virtualClock()
 	eps := fleet(4)
-	one := newReplica(t, "kv", 1, clk, routing.Options{}, eps...)
-	a := newReplica(t, "kv", 2, clk, routing.Options{}, eps...)
-	b := newReplica(t, "kv", 3, clk, routing.Options{}, eps...)
+	one := newReplica(t, "kv", 1, clk, engine.Options{}, eps...)
+	a := newReplica(t, "kv", 2, clk, engine.Options{}, eps...)
+	b := newReplica(t, "kv", 3, clk, engine.Options{}, eps...)
 	for round := range 16 {
 		prompt := tokens(256, uint32(1+round*1_000_000))
 		viaOne, viaTwo := map[routing.EndpointKey]int{}, map[routing.EndpointKey]int{}
@@ -231,7 +232,7 @@ func TestRemoteStartRejectsUnknown(t *testing.T) {
 	clk := virtualClock()
 	dp := ep("10.0.0.9:8000")
 	dp.DataParallelSize = 2
-	r := newReplica(t, "kvbandit", 1, clk, routing.Options{}, ep("10.0.0.1:8000"), dp)
+	r := newReplica(t, "kvbandit", 1, clk, engine.Options{}, ep("10.0.0.1:8000"), dp)
 	blocks := []uint64{1, 2, 3, 4}
 	good := routing.RemoteStart{Endpoint: "10.0.0.1:8000", DPRank: -1, BlockSize: 16, Blocks: blocks, ISL: 64, PrefixID: "p", TotalRequests: 4}
 	cases := []struct {
@@ -318,7 +319,7 @@ func TestRemoteStartRejectsUnknown(t *testing.T) {
 // decisions and RemoteBlockBudget block keys for them; ending decisions
 // makes room again.
 func TestRemoteLimits(t *testing.T) {
-	r := newReplica(t, "kv", 1, virtualClock(), routing.Options{MaxRemoteDecisions: 3, RemoteBlockBudget: 10}, ep("10.0.0.1:8000"))
+	r := newReplica(t, "kv", 1, virtualClock(), engine.Options{MaxRemoteDecisions: 3, RemoteBlockBudget: 10}, ep("10.0.0.1:8000"))
 	s := routing.RemoteStart{Endpoint: "10.0.0.1:8000", DPRank: -1, BlockSize: 16, Blocks: []uint64{1, 2, 3, 4}, ISL: 64}
 	first, second := mustStart(t, r.e, s), mustStart(t, r.e, s)
 	if _, err := r.e.StartRemote(s); !errors.Is(err, routing.ErrRemoteLimit) {
@@ -349,7 +350,7 @@ func TestRemoteLimits(t *testing.T) {
 // block keys; the budget is 8 MiB.
 func TestRemoteMemoryBudget(t *testing.T) {
 	const budget = 1 << 20 // block keys: 8 MiB
-	r := newReplica(t, "kv", 1, virtualClock(), routing.Options{RemoteBlockBudget: budget, Index: kvindex.Options{MaxEntries: 1 << 14}}, fleet(4)...)
+	r := newReplica(t, "kv", 1, virtualClock(), engine.Options{RemoteBlockBudget: budget, Index: kvindex.Options{MaxEntries: 1 << 14}}, fleet(4)...)
 	heap := func() uint64 {
 		runtime.GC()
 		var ms runtime.MemStats
@@ -357,7 +358,7 @@ func TestRemoteMemoryBudget(t *testing.T) {
 		return ms.HeapAlloc
 	}
 	before := heap()
-	var open []*routing.RemoteDecision
+	var open []*engine.RemoteDecision
 	refused := 0
 	for i := range 2000 {
 		blocks := make([]uint64, routing.MaxRemoteBlocks)
@@ -388,7 +389,7 @@ func TestRemoteMemoryBudget(t *testing.T) {
 func TestRemoteDecisionSurvivesUpdate(t *testing.T) {
 	clk := virtualClock()
 	x, y := ep("10.0.0.1:8000"), ep("10.0.0.2:8000")
-	r := newReplica(t, "kv", 1, clk, routing.Options{}, x)
+	r := newReplica(t, "kv", 1, clk, engine.Options{}, x)
 	s := routing.RemoteStart{Endpoint: x.Key, DPRank: -1, BlockSize: 16, Blocks: []uint64{1, 2, 3}, ISL: 48}
 	rd := mustStart(t, r.e, s)
 	before := loads(r.e)[x.Key]
@@ -445,7 +446,7 @@ func TestRemoteDecisionSurvivesUpdate(t *testing.T) {
 // released after StaleAfter, like a local one.
 func TestRemoteDecisionExpires(t *testing.T) {
 	clk := virtualClock()
-	r := newReplica(t, "kv", 1, clk, routing.Options{StaleAfter: time.Minute}, ep("10.0.0.1:8000"))
+	r := newReplica(t, "kv", 1, clk, engine.Options{StaleAfter: time.Minute}, ep("10.0.0.1:8000"))
 	rd := mustStart(t, r.e, routing.RemoteStart{Endpoint: "10.0.0.1:8000", DPRank: -1, BlockSize: 16, Blocks: []uint64{1}, ISL: 16})
 	clk.Step(59 * time.Second)
 	if rd.Ended() || r.e.RemoteExpired() != 0 {
@@ -470,8 +471,8 @@ func TestRemoteLoadCountsForInFlightPolicies(t *testing.T) {
 	clk := virtualClock()
 	for _, name := range []string{"least_loaded", "weighted"} {
 		t.Run(name, func(t *testing.T) {
-			r := newReplica(t, name, 1, clk, routing.Options{}, fleet(2)...)
-			busy := make([]*routing.RemoteDecision, 0, 40)
+			r := newReplica(t, name, 1, clk, engine.Options{}, fleet(2)...)
+			busy := make([]*engine.RemoteDecision, 0, 40)
 			for range 40 {
 				busy = append(busy, mustStart(t, r.e, routing.RemoteStart{Endpoint: "10.0.0.1:8000", DPRank: -1, BlockSize: 16}))
 			}
@@ -524,8 +525,8 @@ func TestRemoteOutcomesTeachLikeLocal(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			clk := virtualClock()
 			eps := fleet(3)
-			a := newReplica(t, name, 1, clk, routing.Options{}, eps...)
-			b := newReplica(t, name, 2, clk, routing.Options{}, eps...)
+			a := newReplica(t, name, 1, clk, engine.Options{}, eps...)
+			b := newReplica(t, name, 2, clk, engine.Options{}, eps...)
 			var open []*routing.Decision
 			for i := range 60 {
 				d, err := a.e.Pick(t.Context(), req(tokens(128+64*(i%5), uint32(1+i%3*10_000))))
@@ -598,9 +599,9 @@ func TestRemoteSessionAffinity(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			clk := virtualClock()
 			eps := fleet(4)
-			a := newReplica(t, name, 1, clk, routing.Options{}, eps...)
-			b := newReplica(t, name, 2, clk, routing.Options{}, eps...)
-			one := newReplica(t, name, 3, clk, routing.Options{}, eps...)
+			a := newReplica(t, name, 1, clk, engine.Options{}, eps...)
+			b := newReplica(t, name, 2, clk, engine.Options{}, eps...)
+			one := newReplica(t, name, 3, clk, engine.Options{}, eps...)
 			sessions := 40
 			if name == "thompson" {
 				sessions = 200
@@ -680,7 +681,7 @@ func TestRemoteSessionAffinity(t *testing.T) {
 // over-long strings; ShareOutcome withholds outcomes served outside the set.
 func TestDecisionShare(t *testing.T) {
 	clk := virtualClock()
-	r := newReplica(t, "kv", 1, clk, routing.Options{}, fleet(2)...)
+	r := newReplica(t, "kv", 1, clk, engine.Options{}, fleet(2)...)
 	rq := req(tokens(100, 1))
 	rq.Tenant, rq.MaxTokens = "tenant", 70
 	rq.Hints = routing.Hints{PrefixID: "p", TotalRequests: 3, OSL: routing.LevelHigh, OSLTokens: 2000, IAT: routing.LevelLow}
@@ -723,7 +724,7 @@ func BenchmarkStartRemote(b *testing.B) {
 	for _, pol := range []string{"kv", "kvbandit"} {
 		for _, ntok := range []int{1024, 8192} {
 			b.Run(fmt.Sprintf("policy=%s/tokens=%d", pol, ntok), func(b *testing.B) {
-				r := newReplica(b, pol, 1, nil, routing.Options{}, fleet(8)...)
+				r := newReplica(b, pol, 1, nil, engine.Options{}, fleet(8)...)
 				var shares []routing.RemoteStart
 				for i := range 64 {
 					rq := req(tokens(ntok, uint32(1+i*1_000_000)))

@@ -1,4 +1,4 @@
-package routing_test
+package engine_test
 
 import (
 	"testing"
@@ -6,10 +6,11 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/engine"
 )
 
 // pickDone picks r and ends the decision at once.
-func pickDone(t *testing.T, e *routing.Engine, r *routing.Request) *routing.Decision {
+func pickDone(t *testing.T, e *engine.Engine, r *routing.Request) *routing.Decision {
 	t.Helper()
 	d, err := e.Pick(t.Context(), r)
 	if err != nil {
@@ -25,7 +26,7 @@ func pickDone(t *testing.T, e *routing.Engine, r *routing.Request) *routing.Deci
 // nothing, and the budget comes back with the clock.
 func TestInsertBudgetPerSecond(t *testing.T) {
 	vc := clock.NewVirtual(time.Unix(1000, 0))
-	e := engineWith(t, "kv", routing.Options{InsertBlocksPerSecond: 100}, vc, ep("10.0.0.1:8000"))
+	e := engineWith(t, "kv", engine.Options{InsertBlocksPerSecond: 100}, vc, ep("10.0.0.1:8000"))
 	entries := func() int64 { return e.Index().Stats().ApproxEntries }
 	// 64 blocks of 16 tokens each, distinct prompts.
 	pickDone(t, e, req(tokens(1024, 1)))
@@ -55,7 +56,7 @@ func TestInsertBudgetPerSecond(t *testing.T) {
 // TestMaxInsertBlocks: one prompt inserts at most MaxInsertBlocks leading
 // blocks; the rest are counted as limited.
 func TestMaxInsertBlocks(t *testing.T) {
-	e := engineWith(t, "kv", routing.Options{MaxInsertBlocks: 8}, nil, ep("10.0.0.1:8000"))
+	e := engineWith(t, "kv", engine.Options{MaxInsertBlocks: 8}, nil, ep("10.0.0.1:8000"))
 	r := req(tokens(32*16, 1))
 	pickDone(t, e, r)
 	if got, lim := e.Index().Stats().ApproxEntries, e.InsertBlocksLimited(); got != 8 || lim != 24 {
@@ -71,7 +72,7 @@ func TestMaxInsertBlocks(t *testing.T) {
 // insert, and the engine-wide budget still caps the sum.
 func TestInsertBudgetPerRank(t *testing.T) {
 	vc := clock.NewVirtual(time.Unix(1000, 0))
-	e := engineWith(t, "round_robin", routing.Options{InsertTokensPerRank: 1600, InsertBlocksPerSecond: 150}, vc, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
+	e := engineWith(t, "round_robin", engine.Options{InsertTokensPerRank: 1600, InsertBlocksPerSecond: 150}, vc, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
 	entries := func() int64 { return e.Index().Stats().ApproxEntries }
 	// Round robin: the first two prompts go to different endpoints; each
 	// of 64 blocks fits its rank's budget.
@@ -112,7 +113,7 @@ func TestInsertBudgetPerRank(t *testing.T) {
 
 // TestInsertBudgetUnbounded: negative options turn the bounds off.
 func TestInsertBudgetUnbounded(t *testing.T) {
-	e := engineWith(t, "kv", routing.Options{MaxInsertBlocks: -1, InsertBlocksPerSecond: -1, InsertTokensPerRank: -1}, nil, ep("10.0.0.1:8000"))
+	e := engineWith(t, "kv", engine.Options{MaxInsertBlocks: -1, InsertBlocksPerSecond: -1, InsertTokensPerRank: -1}, nil, ep("10.0.0.1:8000"))
 	for i := range 4 {
 		pickDone(t, e, req(tokens(20_000*16, uint32(1+i)*50_000_000)))
 	}

@@ -1,4 +1,4 @@
-package routing_test
+package engine_test
 
 import (
 	"errors"
@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/engine"
 )
 
 const (
@@ -19,7 +20,7 @@ const (
 )
 
 // healthEngine is a round-robin engine on a virtual clock over a and b.
-func healthEngine(t *testing.T, opts routing.Options, eps ...routing.Endpoint) (*routing.Engine, *clock.Virtual) {
+func healthEngine(t *testing.T, opts engine.Options, eps ...routing.Endpoint) (*engine.Engine, *clock.Virtual) {
 	t.Helper()
 	clk := clock.NewVirtual(time.Unix(1_700_000_000, 0))
 	if len(eps) == 0 {
@@ -29,7 +30,7 @@ func healthEngine(t *testing.T, opts routing.Options, eps ...routing.Endpoint) (
 }
 
 // outcome ends one decision with an upstream answer served by key.
-func outcome(t *testing.T, e *routing.Engine, key routing.EndpointKey, kind routing.OutcomeKind, status int) {
+func outcome(t *testing.T, e *engine.Engine, key routing.EndpointKey, kind routing.OutcomeKind, status int) {
 	t.Helper()
 	d, err := e.Pick(t.Context(), &routing.Request{})
 	if err != nil {
@@ -40,7 +41,7 @@ func outcome(t *testing.T, e *routing.Engine, key routing.EndpointKey, kind rout
 	d.Done(o)
 }
 
-func fail(t *testing.T, e *routing.Engine, key routing.EndpointKey, n, status int) {
+func fail(t *testing.T, e *engine.Engine, key routing.EndpointKey, n, status int) {
 	t.Helper()
 	for range n {
 		outcome(t, e, key, routing.OutcomeUpstreamError, status)
@@ -48,7 +49,7 @@ func fail(t *testing.T, e *routing.Engine, key routing.EndpointKey, n, status in
 }
 
 // picks returns how often each endpoint is chosen in n picks.
-func picks(t *testing.T, e *routing.Engine, r *routing.Request, n int) map[routing.EndpointKey]int {
+func picks(t *testing.T, e *engine.Engine, r *routing.Request, n int) map[routing.EndpointKey]int {
 	t.Helper()
 	got := map[routing.EndpointKey]int{}
 	for range n {
@@ -62,20 +63,14 @@ func picks(t *testing.T, e *routing.Engine, r *routing.Request, n int) map[routi
 	return got
 }
 
-func ejected(e *routing.Engine, key routing.EndpointKey) bool {
-	now := e.Clock().Now()
-	for _, st := range e.Endpoints() {
-		if st.Key == key {
-			return st.Ejected(now)
-		}
-	}
-	return false
+func ejected(e *engine.Engine, key routing.EndpointKey) bool {
+	return e.Ejected(key, e.Clock().Now())
 }
 
 func TestUpstreamErrorsEject(t *testing.T) {
 	for _, status := range []int{503, 500, 504, 408, 0} {
 		t.Run(fmt.Sprintf("status=%d", status), func(t *testing.T) {
-			e, clk := healthEngine(t, routing.Options{})
+			e, clk := healthEngine(t, engine.Options{})
 			fail(t, e, epA, 4, status)
 			if ejected(e, epA) {
 				t.Fatal("ejected after 4 failures")
@@ -90,7 +85,7 @@ func TestUpstreamErrorsEject(t *testing.T) {
 			if byErrors, byScrape := e.Ejections(); byErrors != 1 || byScrape != 0 {
 				t.Fatalf("Ejections() = %d, %d", byErrors, byScrape)
 			}
-			clk.Step(routing.DefaultBaseEjection - time.Millisecond)
+			clk.Step(engine.DefaultBaseEjection - time.Millisecond)
 			if !ejected(e, epA) {
 				t.Fatal("ejection ended early")
 			}
@@ -108,7 +103,7 @@ func TestUpstreamErrorsEject(t *testing.T) {
 // TestChosenEndpointWithoutServed: with no Served header the decision's own
 // endpoint takes the blame.
 func TestChosenEndpointWithoutServed(t *testing.T) {
-	e, _ := healthEngine(t, routing.Options{})
+	e, _ := healthEngine(t, engine.Options{})
 	for range 10 { // round robin: five on each
 		d, err := e.Pick(t.Context(), req(tokens(16, 1)))
 		if err != nil {
@@ -124,7 +119,7 @@ func TestChosenEndpointWithoutServed(t *testing.T) {
 }
 
 func TestClientErrorsNeverEject(t *testing.T) {
-	e, _ := healthEngine(t, routing.Options{})
+	e, _ := healthEngine(t, engine.Options{})
 	for _, status := range []int{400, 401, 404, 413, 422, 429} {
 		fail(t, e, epA, 10, status)
 	}
@@ -147,7 +142,7 @@ func TestClientErrorsNeverEject(t *testing.T) {
 }
 
 func TestSuccessResetsErrors(t *testing.T) {
-	e, _ := healthEngine(t, routing.Options{})
+	e, _ := healthEngine(t, engine.Options{})
 	for range 3 {
 		fail(t, e, epA, 4, 502)
 		outcome(t, e, epA, routing.OutcomeSuccess, 200)
@@ -155,13 +150,13 @@ func TestSuccessResetsErrors(t *testing.T) {
 	if ejected(e, epA) {
 		t.Fatal("ejected though no 5 failures were consecutive")
 	}
-	if h := e.Endpoints()[0].Health(e.Clock().Now()); h.ConsecutiveErrors != 0 {
+	if h := e.Health(e.Endpoints()[0].Key, e.Clock().Now()); h.ConsecutiveErrors != 0 {
 		t.Fatalf("Health = %+v", h)
 	}
 }
 
 func TestEjectionBackOffDoublesAndCaps(t *testing.T) {
-	opts := routing.Options{Ejection: routing.EjectionOptions{ConsecutiveErrors: 2, BaseEjection: 10 * time.Second, MaxEjection: 35 * time.Second}}
+	opts := engine.Options{Ejection: engine.EjectionOptions{ConsecutiveErrors: 2, BaseEjection: 10 * time.Second, MaxEjection: 35 * time.Second}}
 	e, clk := healthEngine(t, opts)
 	lengths := func(n int) []time.Duration {
 		var out []time.Duration
@@ -210,7 +205,7 @@ func equalDurations(a, b []time.Duration) bool {
 // ejected endpoint is chosen when no healthy eligible endpoint exists,
 // with or without the model and subset filters.
 func TestEjectedStillChosenWhenAlone(t *testing.T) {
-	e, _ := healthEngine(t, routing.Options{}, ep(string(epA), "llama"), ep(string(epB), "qwen"))
+	e, _ := healthEngine(t, engine.Options{}, ep(string(epA), "llama"), ep(string(epB), "qwen"))
 	fail(t, e, epA, 5, 503)
 	if !ejected(e, epA) {
 		t.Fatal("not ejected")
@@ -236,7 +231,7 @@ func TestEjectedStillChosenWhenAlone(t *testing.T) {
 }
 
 func TestEjectionDisabled(t *testing.T) {
-	e, _ := healthEngine(t, routing.Options{Ejection: routing.EjectionOptions{Disabled: true}})
+	e, _ := healthEngine(t, engine.Options{Ejection: engine.EjectionOptions{Disabled: true}})
 	fail(t, e, epA, 20, 503)
 	for range 5 {
 		e.ReportScrapeFailure(epB)
@@ -248,7 +243,7 @@ func TestEjectionDisabled(t *testing.T) {
 
 // TestEjectionSurvivesUpdate: health lives with the endpoint's counters.
 func TestEjectionSurvivesUpdate(t *testing.T) {
-	e, _ := healthEngine(t, routing.Options{})
+	e, _ := healthEngine(t, engine.Options{})
 	fail(t, e, epA, 5, 503)
 	if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{ep(string(epB)), ep(string(epA))}}); err != nil {
 		t.Fatal(err)
@@ -259,7 +254,7 @@ func TestEjectionSurvivesUpdate(t *testing.T) {
 }
 
 func TestScrapeFailuresEject(t *testing.T) {
-	e, clk := healthEngine(t, routing.Options{})
+	e, clk := healthEngine(t, engine.Options{})
 	if e.ReportScrapeFailure("10.9.9.9:1") {
 		t.Fatal("unknown endpoint accepted")
 	}
@@ -302,7 +297,7 @@ func TestScrapeFailuresEject(t *testing.T) {
 }
 
 func TestScrapedAdaptersRouteModels(t *testing.T) {
-	e, clk := healthEngine(t, routing.Options{AdapterRetention: time.Minute},
+	e, clk := healthEngine(t, engine.Options{AdapterRetention: time.Minute},
 		ep(string(epA), "llama"), ep(string(epB), "llama"))
 	sql := &routing.Request{Model: "sql-lora"}
 	if _, err := e.Pick(t.Context(), sql); !errors.Is(err, routing.ErrModelNotFound) {
@@ -321,7 +316,7 @@ func TestScrapedAdaptersRouteModels(t *testing.T) {
 	if _, err := e.Pick(t.Context(), &routing.Request{Model: "gpt"}); !errors.Is(err, routing.ErrModelNotFound) {
 		t.Fatalf("unknown model: err = %v, want ErrModelNotFound", err)
 	}
-	if got := e.Endpoints()[1].ScrapedAdapters(); len(got) != 2 || got[0] != "chat-lora" || got[1] != "sql-lora" {
+	if got := e.ScrapedAdapters(e.Endpoints()[1].Key); len(got) != 2 || got[0] != "chat-lora" || got[1] != "sql-lora" {
 		t.Fatalf("ScrapedAdapters() = %v", got)
 	}
 	// An adapter the worker stops reporting is kept for the retention.
@@ -343,7 +338,7 @@ func TestScrapedAdaptersRouteModels(t *testing.T) {
 // TestScrapedAdapterWithModellessEndpoint: an endpoint declaring no models
 // serves everything, so an adapter scraped elsewhere adds a candidate.
 func TestScrapedAdapterWithModellessEndpoint(t *testing.T) {
-	e, _ := healthEngine(t, routing.Options{}, ep(string(epA)), ep(string(epB), "llama"))
+	e, _ := healthEngine(t, engine.Options{}, ep(string(epA)), ep(string(epB), "llama"))
 	e.ReportAdapters(epB, []routing.ModelName{"sql-lora"})
 	if got := picks(t, e, &routing.Request{Model: "sql-lora"}, 4); got[epA] != 2 || got[epB] != 2 {
 		t.Fatalf("sql-lora went to %v", got)
@@ -368,7 +363,7 @@ func (*loadsPolicy) Done(*routing.Decision, routing.Outcome) {}
 
 func TestRankLoads(t *testing.T) {
 	p := &loadsPolicy{}
-	e := routing.MustEngine(p, routing.Options{SyncIndex: true}, routing.Deps{Logger: quiet()})
+	e := engine.Must(p, engine.Options{SyncIndex: true}, engine.Deps{Logger: quiet()})
 	t.Cleanup(e.Close)
 	if err := e.Update(routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: epA, DataParallelSize: 2}}}); err != nil {
 		t.Fatal(err)
@@ -395,9 +390,9 @@ func TestRankLoads(t *testing.T) {
 }
 
 func TestEjectionMetrics(t *testing.T) {
-	e, _ := healthEngine(t, routing.Options{})
+	e, _ := healthEngine(t, engine.Options{})
 	reg := prometheus.NewPedanticRegistry()
-	reg.MustRegister(routing.NewCollector(e))
+	reg.MustRegister(engine.NewCollector(e))
 	fail(t, e, epA, 5, 503)
 	for range 3 {
 		e.ReportScrapeFailure(epB)
@@ -433,7 +428,7 @@ func TestEjectionMetrics(t *testing.T) {
 // at most MaxRetainedAdapters names, the most recent ones: 30 reports of
 // 4,096 fresh names within the retention kept all 122,880 before.
 func TestRetainedAdaptersBounded(t *testing.T) {
-	e, clk := healthEngine(t, routing.Options{AdapterRetention: 10 * time.Minute}, ep(string(epA), "llama"), ep(string(epB), "llama"))
+	e, clk := healthEngine(t, engine.Options{AdapterRetention: 10 * time.Minute}, ep(string(epA), "llama"), ep(string(epB), "llama"))
 	var last []routing.ModelName
 	for r := range 30 {
 		last = last[:0]
@@ -443,9 +438,9 @@ func TestRetainedAdaptersBounded(t *testing.T) {
 		e.ReportAdapters(epB, last)
 		clk.Step(time.Second)
 	}
-	got := e.Endpoints()[1].ScrapedAdapters()
-	if len(got) != routing.MaxRetainedAdapters {
-		t.Fatalf("%d adapters retained, want %d", len(got), routing.MaxRetainedAdapters)
+	got := e.ScrapedAdapters(e.Endpoints()[1].Key)
+	if len(got) != engine.MaxRetainedAdapters {
+		t.Fatalf("%d adapters retained, want %d", len(got), engine.MaxRetainedAdapters)
 	}
 	if !slices.Equal(got, last) {
 		t.Errorf("retained adapters are not the latest report's (first %q)", got[0])

@@ -1,6 +1,10 @@
-package routing
+package engine
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbandit/kvbandit/routing"
+)
 
 // Collector exports the engine's per-endpoint counters and its index,
 // queue and sweeper statistics. Per-endpoint series exist only for
@@ -72,13 +76,13 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect implements [prometheus.Collector].
 func (c *Collector) Collect(ch chan<- prometheus.Metric) {
-	states := c.e.Endpoints()
+	states := c.e.snap.Load().eps
 	ch <- prometheus.MustNewConstMetric(c.endpoints, prometheus.GaugeValue, float64(len(states)))
 	now := c.e.clk.Now()
 	ejected := 0
 	for _, st := range states {
 		k := string(st.Key)
-		if st.Ejected(now) {
+		if st.ejected(now.UnixNano()) {
 			ejected++
 		}
 		ch <- prometheus.MustNewConstMetric(c.role, prometheus.GaugeValue, 1, k, st.Role.String())
@@ -93,7 +97,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.blocks, prometheus.GaugeValue, float64(blocks), k)
 	}
 	for o, n := range c.e.pdCounts() {
-		ch <- prometheus.MustNewConstMetric(c.pd, prometheus.CounterValue, float64(n), PDOutcome(o).String())
+		ch <- prometheus.MustNewConstMetric(c.pd, prometheus.CounterValue, float64(n), routing.PDOutcome(o).String())
 	}
 	is := c.e.index.Stats()
 	ch <- prometheus.MustNewConstMetric(c.indexEntries, prometheus.GaugeValue, float64(is.ApproxEntries), "approximate")
@@ -124,11 +128,4 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(c.queueOutcomes, prometheus.CounterValue, float64(v), name)
 		}
 	}
-}
-
-// OutcomeAware is implemented by policies that need outcomes (in-flight
-// counts, rewards) to work well; kvbandit warns when response processing
-// is off for such a policy.
-type OutcomeAware interface {
-	NeedsOutcomes() bool
 }

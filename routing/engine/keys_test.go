@@ -1,4 +1,4 @@
-package routing_test
+package engine_test
 
 import (
 	"fmt"
@@ -7,13 +7,14 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 )
 
 // keyedEngine is a kv-policy engine over eps whose Timings are recorded.
-func keyedEngine(t *testing.T, tm *[]routing.Timings, eps ...routing.Endpoint) *routing.Engine {
+func keyedEngine(t *testing.T, tm *[]engine.Timings, eps ...routing.Endpoint) *engine.Engine {
 	t.Helper()
-	return kvEngineDeps(t, 1, routing.Deps{OnTimings: func(x routing.Timings) { *tm = append(*tm, x) }}, eps...)
+	return kvEngineDeps(t, 1, engine.Deps{OnTimings: func(x engine.Timings) { *tm = append(*tm, x) }}, eps...)
 }
 
 // TestPickUsesRequestKeys: a request's Keys replace hashing when they are
@@ -42,7 +43,7 @@ func TestPickUsesRequestKeys(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			// A fresh engine whose endpoint caches the first 40 blocks
 			// (each decision inserts its keys).
-			var tm []routing.Timings
+			var tm []engine.Timings
 			e := keyedEngine(t, &tm, ep("10.0.0.1:8000"))
 			if got := e.KeyBlockSize(); got != routing.DefaultBlockSize {
 				t.Fatalf("KeyBlockSize before any decision = %d, want %d", got, routing.DefaultBlockSize)
@@ -72,7 +73,7 @@ func TestPickUsesRequestKeys(t *testing.T) {
 // TestKeyBlockSize: the engine names the block size of the endpoints it
 // last hashed for, so that callers precompute keys the engine will use.
 func TestKeyBlockSize(t *testing.T) {
-	var tm []routing.Timings
+	var tm []engine.Timings
 	big := ep("10.0.0.1:8000")
 	big.BlockSize = 64
 	e := keyedEngine(t, &tm, big)

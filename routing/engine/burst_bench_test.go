@@ -1,10 +1,11 @@
-package routing_test
+package engine_test
 
 import (
 	"fmt"
 	"testing"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 )
 
@@ -24,7 +25,7 @@ func BenchmarkPickBurst(b *testing.B) {
 			for i := range eps {
 				eps[i] = routing.Endpoint{Key: routing.EndpointKey(fmt.Sprintf("10.0.%d.1:8000", i))}
 			}
-			e := engineWith(b, "kvbandit", routing.Options{Index: kvindex.Options{MaxEntries: cap}}, nil, eps...)
+			e := engineWith(b, "kvbandit", engine.Options{Index: kvindex.Options{MaxEntries: cap}}, nil, eps...)
 			prompt := tokens(1024, 1)
 			b.ReportAllocs()
 			b.ResetTimer()

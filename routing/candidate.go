@@ -88,10 +88,23 @@ type Scoring struct {
 // stable across snapshot swaps, where a policy may keep a pointer to its
 // own state for lock-free reads. Only one policy runs per engine.
 func (c *Candidate) Memo() *atomic.Pointer[any] {
-	if c.State == nil || c.State.Live == nil || len(c.State.ranks) == 0 {
+	r := c.rank()
+	if r == nil {
 		return new(atomic.Pointer[any]) // a candidate made outside an engine
 	}
-	return &c.rank().memo
+	return &r.Memo
+}
+
+// rank returns the candidate's rank, nil for a candidate made outside an
+// engine.
+func (c *Candidate) rank() *Rank {
+	if c.State == nil || c.State.Live == nil || len(c.State.Ranks) == 0 {
+		return nil
+	}
+	if c.DPRank < 0 {
+		return c.State.Ranks[0]
+	}
+	return c.State.Ranks[c.DPRank]
 }
 
 // Prediction is a policy's predicted time to first token on one candidate,
@@ -108,20 +121,12 @@ type Prediction struct {
 	Impact time.Duration
 }
 
-// Predictor is implemented by policies that predict each candidate's time
-// to first token. Predict has no side effects (no learning, no sampling
-// state kept) and returns one Prediction per candidate of s, in order;
-// predictions are posterior means, not Thompson draws.
-type Predictor interface {
-	Predict(s *Scoring) []Prediction
-}
-
 // InFlight returns the requests in flight on the candidate's rank (this
 // engine's decisions and, with replicas, its peers'); 0 for a candidate
 // made outside an engine.
 func (c *Candidate) InFlight() int64 {
-	if c.State == nil || c.State.Live == nil || len(c.State.ranks) == 0 || c.rank() == nil || c.rank().slot == nil {
-		return 0
+	if r := c.rank(); r != nil && r.Slot != nil {
+		return r.Slot.Requests()
 	}
-	return c.rank().slot.Requests()
+	return 0
 }

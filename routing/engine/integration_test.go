@@ -1,4 +1,4 @@
-package routing_test
+package engine_test
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/admission"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy"
 )
@@ -23,7 +24,7 @@ func tokens(n int, base uint32) []uint32 {
 	return out
 }
 
-func engineWith(t testing.TB, name string, opts routing.Options, clk clock.Clock, eps ...routing.Endpoint) *routing.Engine {
+func engineWith(t testing.TB, name string, opts engine.Options, clk clock.Clock, eps ...routing.Endpoint) *engine.Engine {
 	t.Helper()
 	if _, bench := t.(*testing.B); !bench {
 		opts.SyncIndex = true // tests look at the index right after a pick
@@ -33,7 +34,7 @@ func engineWith(t testing.TB, name string, opts routing.Options, clk clock.Clock
 	if err != nil {
 		t.Fatal(err)
 	}
-	e, err := routing.NewEngine(p, opts, routing.Deps{Rand: rnd, Clock: clk, Logger: quiet()})
+	e, err := engine.New(p, opts, engine.Deps{Rand: rnd, Clock: clk, Logger: quiet()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +56,7 @@ func req(toks []uint32) *routing.Request {
 // somewhere, the approximate index remembers it, and a follow-up sharing the
 // prefix goes to the same endpoint with the overlap credited.
 func TestApproximateIndexMakesFollowUpsSticky(t *testing.T) {
-	e := engineWith(t, "kv", routing.Options{}, nil, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"), ep("10.0.0.3:8000"))
+	e := engineWith(t, "kv", engine.Options{}, nil, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"), ep("10.0.0.3:8000"))
 	first, err := e.Pick(t.Context(), req(tokens(256, 1)))
 	if err != nil {
 		t.Fatal(err)
@@ -82,7 +83,7 @@ func TestApproximateIndexMakesFollowUpsSticky(t *testing.T) {
 // TestSaltsAndLoRASeparateCaches: the same tokens under another cache_salt
 // or LoRA share nothing.
 func TestSaltsAndLoRASeparateCaches(t *testing.T) {
-	e := engineWith(t, "kv", routing.Options{}, nil, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
+	e := engineWith(t, "kv", engine.Options{}, nil, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
 	d, _ := e.Pick(t.Context(), req(tokens(128, 5)))
 	d.Done(routing.NoUsage(routing.OutcomeSuccess))
 	for _, r := range []*routing.Request{{Tokens: tokens(128, 5), TokenCount: 128, CacheSalt: "tenant-b"}, {Tokens: tokens(128, 5), TokenCount: 128, LoRA: "adapter"}} {
@@ -99,7 +100,7 @@ func TestSaltsAndLoRASeparateCaches(t *testing.T) {
 // the outcome; a decision whose Done never comes is released by the sweeper.
 func TestActiveLoadThroughExitPaths(t *testing.T) {
 	vc := clock.NewVirtual(time.Unix(0, 0))
-	e := engineWith(t, "kv", routing.Options{StaleAfter: time.Minute}, vc, ep("10.0.0.1:8000"))
+	e := engineWith(t, "kv", engine.Options{StaleAfter: time.Minute}, vc, ep("10.0.0.1:8000"))
 	load := func() (int64, int64) { return activePrefill(t, e), activeBlocks(t, e) }
 	for i, end := range []routing.OutcomeKind{routing.OutcomeSuccess, routing.OutcomeUpstreamError, routing.OutcomeCancelled, routing.OutcomeReset, routing.OutcomeAbandoned} {
 		// A fresh prompt each time: a repeated one would be cached by now.
@@ -131,11 +132,11 @@ func TestActiveLoadThroughExitPaths(t *testing.T) {
 	d.Done(routing.NoUsage(routing.OutcomeSuccess)) // a late Done is harmless
 }
 
-func activePrefill(t *testing.T, e *routing.Engine) int64 {
+func activePrefill(t *testing.T, e *engine.Engine) int64 {
 	return e.Endpoints()[0].InFlightPrefill()
 }
 
-func activeBlocks(t *testing.T, e *routing.Engine) int64 {
+func activeBlocks(t *testing.T, e *engine.Engine) int64 {
 	var n int64
 	for _, b := range e.Endpoints()[0].ActiveBlocks() {
 		n += b
@@ -144,7 +145,7 @@ func activeBlocks(t *testing.T, e *routing.Engine) int64 {
 }
 
 func TestDataParallelRanksAreCandidates(t *testing.T) {
-	e := engineWith(t, "round_robin", routing.Options{}, nil, routing.Endpoint{Key: "10.0.0.1:8000", DataParallelSize: 4})
+	e := engineWith(t, "round_robin", engine.Options{}, nil, routing.Endpoint{Key: "10.0.0.1:8000", DataParallelSize: 4})
 	seen := map[int]bool{}
 	for range 8 {
 		d, err := e.Pick(t.Context(), req(tokens(32, 1)))
@@ -160,7 +161,7 @@ func TestDataParallelRanksAreCandidates(t *testing.T) {
 }
 
 func TestAdmissionQueueWaitsAndSheds(t *testing.T) {
-	opts := routing.Options{Admission: admission.Config{Threshold: 0.5, MaxWait: time.Minute}}
+	opts := engine.Options{Admission: admission.Config{Threshold: 0.5, MaxWait: time.Minute}}
 	e := engineWith(t, "kv", opts, nil, routing.Endpoint{Key: "10.0.0.1:8000", MaxBatchedTokens: 100})
 	busy, err := e.Pick(t.Context(), req(tokens(80, 1))) // 80 > 0.5 × 100: saturated
 	if err != nil {
@@ -214,7 +215,7 @@ func TestSameSeedSameDecisions(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			run := func() []string {
 				vc := clock.NewVirtual(time.Unix(1000, 0))
-				e := engineWith(t, name, routing.Options{}, vc, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"), ep("10.0.0.3:8000"))
+				e := engineWith(t, name, engine.Options{}, vc, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"), ep("10.0.0.3:8000"))
 				var out []string
 				for i := range 60 {
 					r := req(tokens(64+16*(i%7), uint32(1+i%3)))
@@ -242,7 +243,7 @@ func TestSameSeedSameDecisions(t *testing.T) {
 // TestEventFedEndpoint: KV events from a worker make its cache contents
 // exact; an unknown parent is rejected; approximate inserts stop for it.
 func TestEventFedEndpoint(t *testing.T) {
-	e := engineWith(t, "kv", routing.Options{}, nil, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
+	e := engineWith(t, "kv", engine.Options{}, nil, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
 	prompt := tokens(64, 40)
 	var blocks []kvindex.StoredBlock
 	for i := range 4 {
@@ -281,7 +282,7 @@ func TestEventFedEndpoint(t *testing.T) {
 
 func TestExtremePromptLengths(t *testing.T) {
 	for _, name := range []string{"kv", "kvbandit", "thompson"} {
-		e := engineWith(t, name, routing.Options{}, nil, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
+		e := engineWith(t, name, engine.Options{}, nil, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
 		for _, n := range []int{0, 1, 15, 17, 500_000} {
 			d, err := e.Pick(t.Context(), req(tokens(n, 3)))
 			if err != nil {
@@ -301,7 +302,7 @@ func TestExtremePromptLengths(t *testing.T) {
 // TestMixedBlockSizes: endpoints with different block sizes keep separate
 // key spaces, and each candidate is scored and recorded with its own.
 func TestMixedBlockSizes(t *testing.T) {
-	e := engineWith(t, "kv", routing.Options{}, nil,
+	e := engineWith(t, "kv", engine.Options{}, nil,
 		routing.Endpoint{Key: "10.0.0.1:8000", BlockSize: 16},
 		routing.Endpoint{Key: "10.0.0.2:8000", BlockSize: 32},
 		routing.Endpoint{Key: "10.0.0.3:8000", BlockSize: 16})
@@ -323,7 +324,7 @@ func TestMixedBlockSizes(t *testing.T) {
 }
 
 func TestReportedBlockSizeAndLoad(t *testing.T) {
-	e := engineWith(t, "kv", routing.Options{}, nil, ep("10.0.0.1:8000"))
+	e := engineWith(t, "kv", engine.Options{}, nil, ep("10.0.0.1:8000"))
 	if e.ReportLoad("10.9.9.9:1", routing.Load{Known: true}, 32) {
 		t.Fatal("unknown endpoint accepted")
 	}

@@ -1,4 +1,4 @@
-package routing_test
+package engine_test
 
 import (
 	"errors"
@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
 	"github.com/kvbandit/kvbandit/routing/policy/thompson"
@@ -30,7 +31,7 @@ type stateFixture struct {
 	clk    *clock.Virtual
 	store  *prefixstate.Store
 	policy routing.Policy
-	e      *routing.Engine
+	e      *engine.Engine
 }
 
 func newStateFixture(t *testing.T, name string, eps ...string) *stateFixture {
@@ -50,7 +51,7 @@ func newStateFixture(t *testing.T, name string, eps ...string) *stateFixture {
 	if c, ok := f.policy.(interface{ Close() error }); ok {
 		t.Cleanup(func() { _ = c.Close() })
 	}
-	f.e = routing.MustEngine(f.policy, routing.Options{}, routing.Deps{Clock: f.clk, Rand: rnd, Logger: quiet()})
+	f.e = engine.Must(f.policy, engine.Options{}, engine.Deps{Clock: f.clk, Rand: rnd, Logger: quiet()})
 	t.Cleanup(f.e.Close)
 	var set routing.EndpointSet
 	for _, k := range eps {
@@ -136,10 +137,10 @@ func TestMemoryBudgetLongTenants(t *testing.T) {
 // servedUnknown returns kvbandit_served_unknown_total from the engine's
 // collector (-1 when it is not exported) and the number of series the
 // collector exports.
-func servedUnknown(t *testing.T, e *routing.Engine) (float64, int) {
+func servedUnknown(t *testing.T, e *engine.Engine) (float64, int) {
 	t.Helper()
 	reg := prometheus.NewPedanticRegistry()
-	reg.MustRegister(routing.NewCollector(e))
+	reg.MustRegister(engine.NewCollector(e))
 	mfs, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)

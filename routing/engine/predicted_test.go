@@ -1,4 +1,4 @@
-package routing_test
+package engine_test
 
 import (
 	"encoding/json"
@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 )
 
 // TestScoreAndPickCarryPredictions: a predicting policy's per-candidate
@@ -13,7 +14,7 @@ import (
 // shows), and the chosen candidate's reaches the committed Decision; a
 // policy that does not predict leaves them empty.
 func TestScoreAndPickCarryPredictions(t *testing.T) {
-	e := engineWith(t, "kvbandit", routing.Options{}, nil, fleet(3)...)
+	e := engineWith(t, "kvbandit", engine.Options{}, nil, fleet(3)...)
 	// Load one endpoint with queued prefill: its predicted wait grows.
 	busy, err := e.Pick(t.Context(), req(tokens(20000, 7)))
 	if err != nil {
@@ -53,7 +54,7 @@ func TestScoreAndPickCarryPredictions(t *testing.T) {
 		t.Fatalf("committed decision without its prediction: %+v", p.Predicted)
 	}
 
-	kv := engineWith(t, "kv", routing.Options{}, nil, fleet(2)...)
+	kv := engineWith(t, "kv", engine.Options{}, nil, fleet(2)...)
 	d, err = kv.Score(t.Context(), req(tokens(100, 1)))
 	if err != nil {
 		t.Fatal(err)

@@ -1,6 +1,8 @@
-package routing
+package engine
 
 import (
+	"github.com/kvbandit/kvbandit/routing"
+
 	"slices"
 	"strings"
 	"sync"
@@ -61,7 +63,7 @@ const (
 	EjectReasonScrape = "scrape"
 )
 
-// health is an endpoint's ejection state, kept in its Live so that it
+// health is an endpoint's ejection state, kept in its runtime so that it
 // survives snapshot swaps. Pick only loads until and scrapeDown.
 type health struct {
 	// until is when a passive ejection ends, in unix nanoseconds of the
@@ -83,13 +85,13 @@ type health struct {
 // Options.AdapterRetention after they were last seen.
 type adapterSet struct {
 	// names is sorted; read lock-free by the model filter.
-	names atomic.Pointer[[]ModelName]
+	names atomic.Pointer[[]routing.ModelName]
 	// mu guards seen (writers only: the scraper).
 	mu   sync.Mutex
-	seen map[ModelName]time.Time
+	seen map[routing.ModelName]time.Time
 }
 
-func (a *adapterSet) has(m ModelName) bool {
+func (a *adapterSet) has(m routing.ModelName) bool {
 	p := a.names.Load()
 	if p == nil {
 		return false
@@ -99,14 +101,17 @@ func (a *adapterSet) has(m ModelName) bool {
 }
 
 // ejected reports whether the endpoint is ejected at now (unix nanos).
-func (l *Live) ejected(now int64) bool {
-	return l.health.scrapeDown.Load() || l.health.until.Load() > now
+func (rt *runtime) ejected(now int64) bool {
+	return rt.health.scrapeDown.Load() || rt.health.until.Load() > now
 }
 
-// Ejected reports whether the endpoint is ejected at now (by failed
-// outcomes or failed scrapes). An ejected endpoint is still chosen when no
-// healthy endpoint is eligible.
-func (l *Live) Ejected(now time.Time) bool { return l.ejected(now.UnixNano()) }
+// Ejected reports whether endpoint ep is ejected at now (by failed
+// outcomes or failed scrapes); false for an endpoint not in the set. An
+// ejected endpoint is still chosen when no healthy endpoint is eligible.
+func (e *Engine) Ejected(ep routing.EndpointKey, now time.Time) bool {
+	st, ok := e.snap.Load().byKey[ep]
+	return ok && st.ejected(now.UnixNano())
+}
 
 // Health is a snapshot of an endpoint's health, for debugging pages.
 type Health struct {
@@ -123,41 +128,48 @@ type Health struct {
 	// Ejections is the number of ejections since the last success.
 	Ejections int64 `json:"ejections"`
 	// Adapters are the LoRA adapters the worker reported recently.
-	Adapters []ModelName `json:"adapters,omitempty"`
+	Adapters []routing.ModelName `json:"adapters,omitempty"`
 }
 
-// Health returns the endpoint's health at now. Callers must not modify
-// the returned Adapters.
-func (l *Live) Health(now time.Time) Health {
-	h := Health{
-		Ejected:           l.Ejected(now),
-		ScrapeDown:        l.health.scrapeDown.Load(),
-		ConsecutiveErrors: l.health.errs.Load(),
-		ScrapeFailures:    l.health.scrapeFails.Load(),
-		Ejections:         l.health.streak.Load(),
+// Health returns endpoint ep's health at now (the zero Health for an
+// endpoint not in the set). Callers must not modify the returned Adapters.
+func (e *Engine) Health(ep routing.EndpointKey, now time.Time) Health {
+	st, ok := e.snap.Load().byKey[ep]
+	if !ok {
+		return Health{}
 	}
-	if u := l.health.until.Load(); u != 0 {
+	h := Health{
+		Ejected:           st.ejected(now.UnixNano()),
+		ScrapeDown:        st.health.scrapeDown.Load(),
+		ConsecutiveErrors: st.health.errs.Load(),
+		ScrapeFailures:    st.health.scrapeFails.Load(),
+		Ejections:         st.health.streak.Load(),
+	}
+	if u := st.health.until.Load(); u != 0 {
 		h.EjectedUntil = time.Unix(0, u)
 	}
-	if p := l.adapters.names.Load(); p != nil {
+	if p := st.adapters.names.Load(); p != nil {
 		h.Adapters = *p
 	}
 	return h
 }
 
-// ScrapedAdapters returns the LoRA adapters the endpoint's worker reported
-// within Options.AdapterRetention (sorted; callers must not modify it).
-func (l *Live) ScrapedAdapters() []ModelName {
-	if p := l.adapters.names.Load(); p != nil {
-		return *p
+// ScrapedAdapters returns the LoRA adapters endpoint ep's worker reported
+// within Options.AdapterRetention (sorted; callers must not modify it);
+// nil for an endpoint not in the set.
+func (e *Engine) ScrapedAdapters(ep routing.EndpointKey) []routing.ModelName {
+	if st, ok := e.snap.Load().byKey[ep]; ok {
+		if p := st.adapters.names.Load(); p != nil {
+			return *p
+		}
 	}
 	return nil
 }
 
-// Serves reports whether the endpoint serves model: as discovery declares
-// it ([Endpoint.Serves]) or as a LoRA adapter its worker reported.
-func (s *EndpointState) Serves(model ModelName) bool {
-	return s.Endpoint.Serves(model) || s.adapters.has(model)
+// serves reports whether the endpoint serves model: as discovery declares
+// it ([routing.Endpoint.Serves]) or as a LoRA adapter its worker reported.
+func (st *endpoint) serves(model routing.ModelName) bool {
+	return st.Endpoint.Serves(model) || st.adapters.has(model)
 }
 
 // verdict is what an outcome says about an endpoint's health.
@@ -179,11 +191,11 @@ const (
 // not point at the worker), the router stopped, or the router lost track
 // of the request. A worker that fails for real shows up as an upstream
 // status, since Envoy answers 503 or 504 on its behalf.
-func classify(o Outcome) verdict {
+func classify(o routing.Outcome) verdict {
 	switch o.Kind {
-	case OutcomeSuccess:
+	case routing.OutcomeSuccess:
 		return healthy
-	case OutcomeUpstreamError:
+	case routing.OutcomeUpstreamError:
 		if o.Status == 0 || o.Status >= 500 || o.Status == 408 {
 			return failed
 		}
@@ -195,7 +207,7 @@ func classify(o Outcome) verdict {
 // that arrive while the endpoint is ejected are not counted (they mostly
 // belong to requests sent before the ejection, or to requests sent
 // because every endpoint was ejected).
-func (e *Engine) observe(key EndpointKey, l *Live, o Outcome) {
+func (e *Engine) observe(key routing.EndpointKey, rt *runtime, o routing.Outcome) {
 	eo := &e.opts.Ejection
 	if eo.Disabled || eo.ConsecutiveErrors < 0 {
 		return
@@ -204,7 +216,7 @@ func (e *Engine) observe(key EndpointKey, l *Live, o Outcome) {
 	if v == neutral {
 		return
 	}
-	h := &l.health
+	h := &rt.health
 	now := e.clk.Now()
 	nowNS := now.UnixNano()
 	if h.until.Load() > nowNS {
@@ -242,7 +254,7 @@ func (e *Engine) observe(key EndpointKey, l *Live, o Outcome) {
 // failures in a row the endpoint is ejected until a scrape succeeds
 // ([Engine.ReportLoad] with known, fresh load). It reports false for an
 // unknown endpoint.
-func (e *Engine) ReportScrapeFailure(ep EndpointKey) bool {
+func (e *Engine) ReportScrapeFailure(ep routing.EndpointKey) bool {
 	st, ok := e.snap.Load().byKey[ep]
 	if !ok {
 		return false
@@ -261,7 +273,7 @@ func (e *Engine) ReportScrapeFailure(ep EndpointKey) bool {
 }
 
 // scrapeOK clears an endpoint's scrape failures after a good scrape.
-func (e *Engine) scrapeOK(st *EndpointState) {
+func (e *Engine) scrapeOK(st *endpoint) {
 	h := &st.health
 	if h.scrapeFails.Load() != 0 {
 		h.scrapeFails.Store(0)
@@ -283,7 +295,7 @@ const MaxRetainedAdapters = 4096
 // a model that is one of its adapters even when discovery does not say
 // so. It is called by the load scraper, off the request path; it reports
 // false for an unknown endpoint.
-func (e *Engine) ReportAdapters(ep EndpointKey, adapters []ModelName) bool {
+func (e *Engine) ReportAdapters(ep routing.EndpointKey, adapters []routing.ModelName) bool {
 	st, ok := e.snap.Load().byKey[ep]
 	if !ok {
 		return false
@@ -293,14 +305,14 @@ func (e *Engine) ReportAdapters(ep EndpointKey, adapters []ModelName) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.seen == nil {
-		a.seen = make(map[ModelName]time.Time, len(adapters))
+		a.seen = make(map[routing.ModelName]time.Time, len(adapters))
 	}
 	for _, m := range adapters {
 		if m != "" {
 			a.seen[m] = now
 		}
 	}
-	keep := make([]ModelName, 0, len(a.seen))
+	keep := make([]routing.ModelName, 0, len(a.seen))
 	retain := max(e.opts.AdapterRetention, 0) // negative: only the latest report
 	for m, at := range a.seen {
 		if now.Sub(at) > retain {
@@ -313,7 +325,7 @@ func (e *Engine) ReportAdapters(ep EndpointKey, adapters []ModelName) bool {
 		// A worker reporting new names every scrape: keep the most
 		// recently reported ones (the latest report first, then by name
 		// for a stable choice), forget the rest.
-		slices.SortFunc(keep, func(x, y ModelName) int {
+		slices.SortFunc(keep, func(x, y routing.ModelName) int {
 			if c := a.seen[y].Compare(a.seen[x]); c != 0 {
 				return c
 			}
@@ -341,7 +353,7 @@ func (e *Engine) ReportAdapters(ep EndpointKey, adapters []ModelName) bool {
 // running and KV usage; Known and Stale stay the endpoint's (ReportLoad).
 // A list whose length is not the endpoint's rank count clears it. It
 // reports false for an unknown endpoint.
-func (e *Engine) ReportRankLoads(ep EndpointKey, ranks []Load) bool {
+func (e *Engine) ReportRankLoads(ep routing.EndpointKey, ranks []routing.Load) bool {
 	st, ok := e.snap.Load().byKey[ep]
 	if !ok {
 		return false
@@ -362,7 +374,7 @@ func (e *Engine) Ejections() (errors, scrape int64) {
 
 // filterHealthy drops ejected endpoints from eps unless every one of them
 // is ejected. owned says eps is the caller's to modify in place.
-func filterHealthy(eps []*EndpointState, now int64, owned bool) []*EndpointState {
+func filterHealthy(eps []*endpoint, now int64, owned bool) []*endpoint {
 	first := -1
 	for i, st := range eps {
 		if st.ejected(now) {
@@ -373,11 +385,11 @@ func filterHealthy(eps []*EndpointState, now int64, owned bool) []*EndpointState
 	if first < 0 {
 		return eps
 	}
-	var out []*EndpointState
+	var out []*endpoint
 	if owned {
 		out = eps[:first]
 	} else {
-		out = make([]*EndpointState, first, len(eps)-1)
+		out = make([]*endpoint, first, len(eps)-1)
 		copy(out, eps[:first])
 	}
 	for _, st := range eps[first+1:] {

@@ -1,22 +1,23 @@
-package routing_test
+package engine_test
 
 import (
 	"testing"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 	"github.com/kvbandit/kvbandit/routing/policy"
 )
 
 // kvEngine is a kv-policy engine over eps seeded with seed, the index
 // applied in-line.
-func kvEngine(t *testing.T, seed int64, eps ...routing.Endpoint) *routing.Engine {
+func kvEngine(t *testing.T, seed int64, eps ...routing.Endpoint) *engine.Engine {
 	t.Helper()
-	return kvEngineDeps(t, seed, routing.Deps{}, eps...)
+	return kvEngineDeps(t, seed, engine.Deps{}, eps...)
 }
 
 // kvEngineDeps is kvEngine with deps (their Rand and Logger are set).
-func kvEngineDeps(t *testing.T, seed int64, deps routing.Deps, eps ...routing.Endpoint) *routing.Engine {
+func kvEngineDeps(t *testing.T, seed int64, deps engine.Deps, eps ...routing.Endpoint) *engine.Engine {
 	t.Helper()
 	rnd := routing.NewRand(seed)
 	p, err := policy.Builtin().New("kv", policy.Deps{Rand: rnd})
@@ -24,7 +25,7 @@ func kvEngineDeps(t *testing.T, seed int64, deps routing.Deps, eps ...routing.En
 		t.Fatal(err)
 	}
 	deps.Rand, deps.Logger = rnd, quiet()
-	e, err := routing.NewEngine(p, routing.Options{SyncIndex: true}, deps)
+	e, err := engine.New(p, engine.Options{SyncIndex: true}, deps)
 	if err != nil {
 		t.Fatal(err)
 	}

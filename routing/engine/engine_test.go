@@ -1,4 +1,4 @@
-package routing_test
+package engine_test
 
 import (
 	"context"
@@ -9,19 +9,20 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-func newEngine(t *testing.T, name string, opts routing.Options, eps ...routing.Endpoint) *routing.Engine {
+func newEngine(t *testing.T, name string, opts engine.Options, eps ...routing.Endpoint) *engine.Engine {
 	t.Helper()
 	rnd := routing.NewRand(1)
 	p, err := policy.Builtin().New(name, policy.Deps{Rand: rnd})
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := routing.MustEngine(p, opts, routing.Deps{Rand: rnd})
+	e := engine.Must(p, opts, engine.Deps{Rand: rnd})
 	t.Cleanup(e.Close)
 	if err := e.Update(routing.EndpointSet{Source: "test", Endpoints: eps}); err != nil {
 		t.Fatal(err)
@@ -34,7 +35,7 @@ func ep(key string, models ...routing.ModelName) routing.Endpoint {
 }
 
 func TestRoundRobinAlternatesAndReleases(t *testing.T) {
-	e := newEngine(t, "round_robin", routing.Options{}, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"), ep("10.0.0.3:8000"))
+	e := newEngine(t, "round_robin", engine.Options{}, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"), ep("10.0.0.3:8000"))
 	var got []routing.EndpointKey
 	var ds []*routing.Decision
 	for range 6 {
@@ -72,7 +73,7 @@ func TestRoundRobinAlternatesAndReleases(t *testing.T) {
 }
 
 func TestLeastLoadedPrefersIdleAndBreaksTiesRandomly(t *testing.T) {
-	e := newEngine(t, "least_loaded", routing.Options{}, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
+	e := newEngine(t, "least_loaded", engine.Options{}, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
 	first, err := e.Pick(t.Context(), &routing.Request{})
 	if err != nil {
 		t.Fatal(err)
@@ -98,7 +99,7 @@ func TestLeastLoadedPrefersIdleAndBreaksTiesRandomly(t *testing.T) {
 
 func TestRandomIsReproducibleWithSeed(t *testing.T) {
 	run := func() []routing.EndpointKey {
-		e := newEngine(t, "random", routing.Options{}, ep("10.0.0.1:1"), ep("10.0.0.2:1"), ep("10.0.0.3:1"), ep("10.0.0.4:1"))
+		e := newEngine(t, "random", engine.Options{}, ep("10.0.0.1:1"), ep("10.0.0.2:1"), ep("10.0.0.3:1"), ep("10.0.0.4:1"))
 		var out []routing.EndpointKey
 		for range 50 {
 			d, _ := e.Pick(t.Context(), &routing.Request{})
@@ -121,7 +122,7 @@ func TestRandomIsReproducibleWithSeed(t *testing.T) {
 }
 
 func TestCandidatesByModelAndSubset(t *testing.T) {
-	e := newEngine(t, "round_robin", routing.Options{},
+	e := newEngine(t, "round_robin", engine.Options{},
 		ep("10.0.0.1:8000", "llama"), ep("10.0.0.1:8001", "qwen"), ep("[fd00::1]:8000", "qwen"))
 	cases := []struct {
 		name  string
@@ -177,7 +178,7 @@ func TestCandidatesByModelAndSubset(t *testing.T) {
 }
 
 func TestPassThroughUnknownModels(t *testing.T) {
-	e := newEngine(t, "round_robin", routing.Options{PassThroughUnknownModels: true}, ep("10.0.0.1:8000", "llama"))
+	e := newEngine(t, "round_robin", engine.Options{PassThroughUnknownModels: true}, ep("10.0.0.1:8000", "llama"))
 	d, err := e.Pick(t.Context(), &routing.Request{Model: "other"})
 	if err != nil {
 		t.Fatal(err)
@@ -187,7 +188,7 @@ func TestPassThroughUnknownModels(t *testing.T) {
 
 func TestNoEndpoints(t *testing.T) {
 	p, _ := policy.Builtin().New("round_robin", policy.Deps{})
-	e := routing.MustEngine(p, routing.Options{}, routing.Deps{})
+	e := engine.Must(p, engine.Options{}, engine.Deps{})
 	defer e.Close()
 	if _, err := e.Pick(t.Context(), &routing.Request{}); !errors.Is(err, routing.ErrNoEndpoints) {
 		t.Fatalf("err = %v, want ErrNoEndpoints", err)
@@ -198,7 +199,7 @@ func TestNoEndpoints(t *testing.T) {
 }
 
 func TestScoreHasNoSideEffects(t *testing.T) {
-	e := newEngine(t, "round_robin", routing.Options{Fallbacks: 1}, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
+	e := newEngine(t, "round_robin", engine.Options{Fallbacks: 1}, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
 	a, _ := e.Score(t.Context(), &routing.Request{})
 	b, _ := e.Score(t.Context(), &routing.Request{})
 	if a.Endpoint != b.Endpoint {
@@ -218,7 +219,7 @@ func TestScoreHasNoSideEffects(t *testing.T) {
 }
 
 func TestUpdateKeepsCountersAndRejectsInvalid(t *testing.T) {
-	e := newEngine(t, "round_robin", routing.Options{}, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
+	e := newEngine(t, "round_robin", engine.Options{}, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
 	d, _ := e.Pick(t.Context(), &routing.Request{})
 	bad := []routing.EndpointSet{
 		{Endpoints: []routing.Endpoint{ep("10.0.0.1:8000"), ep("10.0.0.1:8000")}},
@@ -256,7 +257,7 @@ func TestUpdateKeepsCountersAndRejectsInvalid(t *testing.T) {
 }
 
 func TestConcurrentPickUpdateDone(t *testing.T) {
-	e := newEngine(t, "least_loaded", routing.Options{}, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
+	e := newEngine(t, "least_loaded", engine.Options{}, ep("10.0.0.1:8000"), ep("10.0.0.2:8000"))
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
 	var wg sync.WaitGroup

@@ -1,4 +1,4 @@
-package routing_test
+package engine_test
 
 import (
 	"fmt"
@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 )
 
@@ -21,7 +22,7 @@ func BenchmarkPickTiers(b *testing.B) {
 				for i := range eps {
 					eps[i] = routing.Endpoint{Key: routing.EndpointKey(fmt.Sprintf("10.%d.%d.1:8000", i/250, i%250))}
 				}
-				e := engineWith(b, "kv", routing.Options{}, nil, eps...)
+				e := engineWith(b, "kv", engine.Options{}, nil, eps...)
 				family := tokens(ntok, 1)
 				cpu := kvindex.Event{Kind: kvindex.Stored, BlockSize: 16, Medium: kvindex.MediumCPU}
 				for j := range ntok / 16 {

@@ -1,0 +1,197 @@
+package engine
+
+import (
+	"github.com/kvbandit/kvbandit/routing"
+
+	"fmt"
+	"strconv"
+	"sync/atomic"
+
+	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/slots"
+)
+
+// This file holds the engine's side of active-active replicas: how a peer's decisions and outcomes are
+// applied here ([Engine.StartRemote], [Engine.LearnRemote]). The transport
+// (routing/sync) decides when to call them; nothing here does I/O.
+
+// RemoteDecision is a peer replica's decision applied to this engine's
+// load accounting. It holds its endpoint rank's slot by pointer, so it
+// survives endpoint-set updates as a local decision does, and End stays
+// safe after the endpoint left the set.
+type RemoteDecision struct {
+	// Endpoint and DPRank are where the peer routed the request.
+	Endpoint routing.EndpointKey
+	DPRank   int
+
+	e         *Engine
+	live      *routing.Live
+	blocks    int64 // block keys counted in Engine.remoteBlocks
+	entry     *slots.Entry
+	timer     clock.Timer
+	prefilled atomic.Bool
+	ended     atomic.Bool
+}
+
+// StartRemote applies a peer replica's decision as if this engine had made
+// it: it counts the decision in the endpoint's RemoteInFlight, adds its
+// blocks and uncached prompt tokens to the chosen rank's slot, inserts its
+// blocks into the approximate index when the rank's KV events are not
+// trusted (through the same path as a local decision), and lets a policy
+// that records session state at decision time ([RemoteStarter]) record it.
+//
+// s is checked against the current endpoint set: an endpoint or rank not
+// in it gives ErrUnknownEndpoint, a value out of bounds ErrInvalidRemote,
+// and more open peers' decisions or held block keys than the Options
+// allow ErrRemoteLimit; nothing is recorded then. Blocks of another block size than this
+// replica's for the endpoint (a worker-reported size one replica has not
+// scraped yet) are another key space: their prefill tokens still count,
+// their blocks are neither held nor indexed.
+//
+// The decision is released by [RemoteDecision.End] (the sync layer calls it
+// on the peer's End, on snapshot replacement and when the peer's TTL
+// expires), or after Options.StaleAfter like a local decision whose Done
+// never came. No Deps hook is called (the sync layer must not publish its
+// peers' decisions again), and the endpoint's health is not touched.
+// StartRemote never blocks; it must not be called after Close.
+func (e *Engine) StartRemote(s routing.RemoteStart) (*RemoteDecision, error) {
+	if err := s.Validate(); err != nil {
+		return nil, err
+	}
+	st, rs, err := e.rankOf(s.Endpoint, s.DPRank)
+	if err != nil {
+		return nil, err
+	}
+	n := int64(len(s.Blocks))
+	if open := e.remoteOpen.Add(1); open > int64(e.opts.MaxRemoteDecisions) {
+		e.remoteOpen.Add(-1)
+		return nil, fmt.Errorf("%w: %d open (max %d)", routing.ErrRemoteLimit, open-1, e.opts.MaxRemoteDecisions)
+	}
+	if held := e.remoteBlocks.Add(n); held > int64(e.opts.RemoteBlockBudget) {
+		e.remoteBlocks.Add(-n)
+		e.remoteOpen.Add(-1)
+		return nil, fmt.Errorf("%w: %d block keys held, %d more (budget %d)", routing.ErrRemoteLimit, held-n, n, e.opts.RemoteBlockBudget)
+	}
+	now := e.clk.Now()
+	r := &RemoteDecision{Endpoint: st.Key, DPRank: s.DPRank, e: e, live: st.Live, blocks: n}
+	st.RemoteInFlight.Add(1)
+	keys := s.Blocks
+	if s.BlockSize != e.blockSize(st) {
+		keys = nil
+	}
+	if !e.opts.DisableActiveBlocks || s.ISL > 0 {
+		held := keys
+		if e.opts.DisableActiveBlocks {
+			held = nil
+		}
+		r.entry = rs.slot.Add(held, s.ISL, s.Overlap, s.BlockSize)
+	}
+	e.insertApprox(rs, s.BlockSize, keys, now)
+	if p, ok := e.policy.(routing.RemoteStarter); ok && s.PrefixID != "" {
+		p.StartRemote(s.SessionRequest(), &s)
+	}
+	r.timer = e.clk.AfterFunc(e.opts.StaleAfter, func() {
+		if r.End() {
+			e.remoteExpired.Add(1)
+		}
+	})
+	return r, nil
+}
+
+// Prefilled reports the remote decision's first token: its prompt tokens
+// stop counting as prefill load. Calls after the first, or after End, do
+// nothing.
+func (r *RemoteDecision) Prefilled() {
+	if r == nil || r.ended.Load() || !r.prefilled.CompareAndSwap(false, true) {
+		return
+	}
+	r.entry.Prefilled()
+	if r.e.queue != nil {
+		r.e.queue.Wake()
+	}
+}
+
+// End releases the remote decision's load. The first call returns true;
+// later calls do nothing and return false. It is safe after the endpoint
+// left the endpoint set.
+func (r *RemoteDecision) End() bool {
+	if r == nil || !r.ended.CompareAndSwap(false, true) {
+		return false
+	}
+	if r.timer != nil {
+		r.timer.Stop()
+	}
+	r.entry.Free()
+	r.live.RemoteInFlight.Add(-1)
+	r.e.remoteBlocks.Add(-r.blocks)
+	r.e.remoteOpen.Add(-1)
+	if r.e.queue != nil {
+		r.e.queue.Wake()
+	}
+	return true
+}
+
+// Ended reports whether End was called (or the stale timer released it).
+func (r *RemoteDecision) Ended() bool { return r.ended.Load() }
+
+// RemoteExpired returns how many peers' decisions were released by their
+// stale timer (Options.StaleAfter) because no End came.
+func (e *Engine) RemoteExpired() int64 { return e.remoteExpired.Load() }
+
+// LearnRemote lets the policy learn from a peer replica's outcome
+// ([RemoteLearner]); a policy that learns nothing from outcomes ignores it.
+// An endpoint, rank or served endpoint not in the current endpoint set
+// gives ErrUnknownEndpoint, a value out of bounds ErrInvalidRemote, and
+// nothing is learnt.
+//
+// Endpoint health (passive ejection) does not learn from peers' outcomes:
+// a peer's errors may be its own network's, so health stays a local
+// observation. Nor is Deps.OnDone called.
+func (e *Engine) LearnRemote(o routing.RemoteOutcome) error {
+	if err := o.Validate(); err != nil {
+		return err
+	}
+	if _, _, err := e.rankOf(o.Endpoint, o.DPRank); err != nil {
+		return err
+	}
+	if o.Served == o.Endpoint {
+		o.Served = ""
+	}
+	if o.Served != "" {
+		if _, ok := e.snap.Load().byKey[o.Served]; !ok {
+			return fmt.Errorf("%w: served by %s", routing.ErrUnknownEndpoint, quoteBounded(string(o.Served)))
+		}
+	}
+	o.ServedUnknown = false
+	o.Received = e.clk.Now()
+	if l, ok := e.policy.(routing.RemoteLearner); ok {
+		l.LearnRemote(&o)
+	}
+	return nil
+}
+
+// rankOf returns the endpoint's state and rank for a peer's (endpoint,
+// rank): rank -1 for a single-rank endpoint, 0..n-1 for one with n ranks.
+func (e *Engine) rankOf(ep routing.EndpointKey, rank int) (*endpoint, *rankState, error) {
+	st, ok := e.snap.Load().byKey[ep]
+	if !ok {
+		return nil, nil, fmt.Errorf("%w: %s", routing.ErrUnknownEndpoint, quoteBounded(string(ep)))
+	}
+	n := len(st.ranks)
+	switch {
+	case n == 1 && rank == -1:
+		return st, st.ranks[0], nil
+	case n > 1 && rank >= 0 && rank < n:
+		return st, st.ranks[rank], nil
+	}
+	return nil, nil, fmt.Errorf("%w: %s rank %d of %d", routing.ErrUnknownEndpoint, st.Key, rank, n)
+}
+
+// quoteBounded quotes s for an error message, cut to MaxRemoteString
+// bytes: peers' values end up in logs.
+func quoteBounded(s string) string {
+	if len(s) <= routing.MaxRemoteString {
+		return strconv.Quote(s)
+	}
+	return strconv.Quote(s[:routing.MaxRemoteString]) + "... (" + strconv.Itoa(len(s)) + " bytes)"
+}
