@@ -686,6 +686,30 @@ func (x *exchange) recoverEnd() {
 // run sends the request to the chosen worker (target is the cleaned path
 // and the query) and streams the response back.
 func (x *exchange) run(w http.ResponseWriter, r *http.Request, target string, body *reqBody) {
+	up, ok := x.upstreamRequest(w, r, target, body)
+	if !ok {
+		return
+	}
+	resp, ok := x.roundTrip(w, up, body)
+	if !ok {
+		return
+	}
+	defer resp.Body.Close()
+	rc := x.writeHeader(w, resp)
+	bp := x.p.bufs.Get().(*[]byte)
+	defer x.p.bufs.Put(bp)
+	if !x.copyBody(w, rc, resp.Body, *bp) {
+		return
+	}
+	x.finishResponse(w, resp)
+}
+
+// upstreamRequest builds the worker's request: the client's headers
+// (outboundHeader), the decision's destination, data-parallel rank and,
+// for a disaggregated request, its prefill stage (run here in the direct
+// P/D mode, named for the sidecar otherwise), and the body. false: the
+// decision has ended and the client been answered.
+func (x *exchange) upstreamRequest(w http.ResponseWriter, r *http.Request, target string, body *reqBody) (*http.Request, bool) {
 	p, d := x.p, x.d
 	ep := string(d.Endpoint)
 	up, err := http.NewRequestWithContext(x.ctx, r.Method, "http://"+ep+target, http.NoBody)
@@ -693,7 +717,7 @@ func (x *exchange) run(w http.ResponseWriter, r *http.Request, target string, bo
 		body.release()
 		x.end(routing.OutcomeRejected)
 		x.reply = p.reply(w, err)
-		return
+		return nil, false
 	}
 	up.Header = outboundHeader(r)
 	up.Header.Set(extproc.HeaderDestination, ep)
@@ -707,11 +731,8 @@ func (x *exchange) run(w http.ResponseWriter, r *http.Request, target string, bo
 		// and rewrites the body for the decode stage.
 		if !x.direct(r, target, body, up) {
 			body.release()
-			x.end(x.cancelKind())
-			if x.cancelKind() == routing.OutcomeAbandoned {
-				x.reply = p.reply(w, context.Cause(x.ctx))
-			}
-			return
+			x.endCut(w)
+			return nil, false
 		}
 	default:
 		// Disaggregated: the decode worker's P/D sidecar runs the
@@ -722,6 +743,15 @@ func (x *exchange) run(w http.ResponseWriter, r *http.Request, target string, bo
 		up.Body, _ = body.open()
 		up.GetBody, up.ContentLength = body.open, int64(len(b))
 	}
+	return up, true
+}
+
+// roundTrip sends up to the worker and releases the request body. false:
+// the worker could not be reached (or the request was cut); the decision
+// has ended and the client been answered if it is still there.
+func (x *exchange) roundTrip(w http.ResponseWriter, up *http.Request, body *reqBody) (*http.Response, bool) {
+	p := x.p
+	ep := string(x.d.Endpoint)
 	x.up = x.span.StartUpstream(up, ep)
 	resp, err := p.rt.RoundTrip(up)
 	// The worker has answered or cannot be reached: the body is no longer
@@ -730,30 +760,43 @@ func (x *exchange) run(w http.ResponseWriter, r *http.Request, target string, bo
 	body.release()
 	if err != nil {
 		if x.ctx.Err() != nil {
-			x.end(x.cancelKind())
-			if x.cancelKind() == routing.OutcomeAbandoned {
-				x.reply = p.reply(w, context.Cause(x.ctx))
-			}
-			return
+			x.endCut(w)
+			return nil, false
 		}
 		p.metrics.upstreamErrors.WithLabelValues("connect").Inc()
 		x.end(routing.OutcomeUpstreamError) // status 0: no response
 		p.log.Debug("upstream unreachable", "endpoint", ep, "err", err)
 		x.reply = p.reply(w, fmt.Errorf("%w: %s: %w", ErrUpstreamUnavailable, ep, err))
-		return
+		return nil, false
 	}
-	defer resp.Body.Close()
+	return resp, true
+}
+
+// endCut ends the decision of a request whose context ended before the
+// worker answered; a request Stop cut (abandoned) is answered with the
+// cause, a client that went away (cancelled) is not.
+func (x *exchange) endCut(w http.ResponseWriter) {
+	x.end(x.cancelKind())
+	if x.cancelKind() == routing.OutcomeAbandoned {
+		x.reply = x.p.reply(w, context.Cause(x.ctx))
+	}
+}
+
+// writeHeader notes the worker's status and content type (for the outcome
+// and the TTFT and usage trackers) and sends the client the worker's
+// response headers, flushed at once for SSE.
+func (x *exchange) writeHeader(w http.ResponseWriter, resp *http.Response) *http.ResponseController {
 	x.status = resp.StatusCode
 	ct := strings.ToLower(resp.Header.Get("Content-Type"))
 	x.sse = strings.Contains(ct, "text/event-stream")
 	x.json = strings.Contains(ct, "json")
 	if x.sse {
-		x.stream = openai.NewStreamParser(p.cfg.MaxSSEEvent)
+		x.stream = openai.NewStreamParser(x.p.cfg.MaxSSEEvent)
 	}
 
 	h := w.Header()
 	copyHeader(h, resp.Header)
-	h.Set(HeaderEndpoint, ep)
+	h.Set(HeaderEndpoint, string(x.d.Endpoint))
 	for k := range resp.Trailer {
 		h.Add("Trailer", k)
 	}
@@ -763,46 +806,57 @@ func (x *exchange) run(w http.ResponseWriter, r *http.Request, target string, bo
 	if x.sse {
 		_ = rc.Flush() // headers out now: an SSE client sees the stream open
 	}
+	return rc
+}
 
-	bp := p.bufs.Get().(*[]byte)
-	defer p.bufs.Put(bp)
-	buf := *bp
+// copyBody streams the worker's body to the client through buf, writing
+// and flushing every chunk as it is read. false: the client went away or
+// the request was cut, and the decision has ended. A worker body that
+// breaks off ends the decision and panics with http.ErrAbortHandler, so
+// that the client sees the truncation.
+func (x *exchange) copyBody(w http.ResponseWriter, rc *http.ResponseController, src io.Reader, buf []byte) bool {
+	p := x.p
 	for {
-		n, rerr := resp.Body.Read(buf)
+		n, rerr := src.Read(buf)
 		if n > 0 {
 			x.observe(buf[:n])
 			if _, werr := w.Write(buf[:n]); werr != nil {
 				x.end(x.cancelKind())
-				return
+				return false
 			}
 			if ferr := rc.Flush(); ferr != nil {
 				x.end(x.cancelKind())
-				return
+				return false
 			}
 		}
 		if rerr == io.EOF {
-			break
+			return true
 		}
 		if rerr != nil {
 			if x.ctx.Err() != nil {
 				x.end(x.cancelKind())
-				return
+				return false
 			}
 			// The worker broke off: end the decision, then abort the
 			// client's connection so the truncation is visible.
 			p.metrics.upstreamErrors.WithLabelValues("body").Inc()
-			p.log.Debug("upstream body broke off", "endpoint", ep, "err", rerr)
+			p.log.Debug("upstream body broke off", "endpoint", string(x.d.Endpoint), "err", rerr)
 			x.end(routing.OutcomeUpstreamError)
 			panic(http.ErrAbortHandler)
 		}
 	}
+}
+
+// finishResponse sends the worker's trailers and ends the decision by the
+// worker's status.
+func (x *exchange) finishResponse(w http.ResponseWriter, resp *http.Response) {
 	for k, vv := range resp.Trailer {
 		w.Header()[http.TrailerPrefix+k] = vv
 	}
 	if x.status >= 200 && x.status < 400 {
 		x.end(routing.OutcomeSuccess)
 	} else {
-		p.metrics.upstreamErrors.WithLabelValues("status").Inc()
+		x.p.metrics.upstreamErrors.WithLabelValues("status").Inc()
 		x.end(routing.OutcomeUpstreamError)
 	}
 }
