@@ -1,7 +1,11 @@
 package extproc
 
 import (
+	"strings"
+
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbandit/kvbandit/extproc/openai"
 )
 
 // Metrics are the ext_proc layer's Prometheus metrics. Label values come
@@ -118,6 +122,22 @@ const (
 	// completion or /v1/models.
 	PathOther = "other"
 )
+
+// PathClass is the path label of a request: its OpenAI kind, /v1/models,
+// or other (decided on the cleaned path, [openai.CleanPath]).
+func PathClass(k openai.Kind, path string) string {
+	switch k {
+	case openai.KindChat:
+		return pathChat
+	case openai.KindCompletion:
+		return pathCompletions
+	}
+	path, _, _ = strings.Cut(path, "?")
+	if clean, err := openai.CleanPath(path); err == nil && clean == "/v1/models" {
+		return pathModels
+	}
+	return PathOther
+}
 
 // CodeClass is the status-class label of an HTTP status ("none" for 0).
 func CodeClass(status int) string {
