@@ -86,30 +86,39 @@ func (dc *decoder) hash() (h uint64, ok bool, err error) {
 	return 0, false, dc.errf("block hash is neither an integer nor bytes")
 }
 
-func (dc *decoder) hashes() ([]uint64, error) {
+// boundedArray reads the header of an array field, or nil (ok false): at
+// most perEvent elements, added to *inBatch, which must stay at most
+// perBatch. field names the field in errors ("block_hashes"), items its
+// elements ("block hashes").
+func (dc *decoder) boundedArray(field, items string, perEvent, perBatch int, inBatch *int) (n int, ok bool, err error) {
 	cls, _, err := dc.peek()
 	if err != nil {
-		return nil, err
+		return 0, false, err
 	}
 	if cls == clsNil {
 		dc.off++
-		return nil, nil
+		return 0, false, nil
 	}
 	if cls != clsArray {
-		return nil, dc.errf("block_hashes is not an array")
+		return 0, false, dc.errf("%s is not an array", field)
 	}
-	n, err := dc.length(cls)
+	n, err = dc.length(cls)
 	if err != nil {
+		return 0, false, err
+	}
+	if n > perEvent {
+		return 0, false, dc.errf("%d %s in one event, limit %d", n, items, perEvent)
+	}
+	if *inBatch += n; *inBatch > perBatch {
+		return 0, false, dc.errf("more than %d %s in one batch", perBatch, items)
+	}
+	return n, true, nil
+}
+
+func (dc *decoder) hashes() ([]uint64, error) {
+	n, ok, err := dc.boundedArray("block_hashes", "block hashes", MaxBlocksPerEvent, MaxBlocksPerBatch, &dc.blocks)
+	if err != nil || !ok || n == 0 {
 		return nil, err
-	}
-	if n > MaxBlocksPerEvent {
-		return nil, dc.errf("%d block hashes in one event, limit %d", n, MaxBlocksPerEvent)
-	}
-	if dc.blocks += n; dc.blocks > MaxBlocksPerBatch {
-		return nil, dc.errf("more than %d block hashes in one batch", MaxBlocksPerBatch)
-	}
-	if n == 0 {
-		return nil, nil
 	}
 	out := make([]uint64, n)
 	for i := range out {
@@ -126,26 +135,9 @@ func (dc *decoder) hashes() ([]uint64, error) {
 }
 
 func (dc *decoder) tokenIDs() ([]uint32, error) {
-	cls, _, err := dc.peek()
-	if err != nil {
+	n, ok, err := dc.boundedArray("token_ids", "token ids", MaxTokensPerEvent, MaxTokensPerBatch, &dc.tokens)
+	if err != nil || !ok {
 		return nil, err
-	}
-	if cls == clsNil {
-		dc.off++
-		return nil, nil
-	}
-	if cls != clsArray {
-		return nil, dc.errf("token_ids is not an array")
-	}
-	n, err := dc.length(cls)
-	if err != nil {
-		return nil, err
-	}
-	if n > MaxTokensPerEvent {
-		return nil, dc.errf("%d token ids in one event, limit %d", n, MaxTokensPerEvent)
-	}
-	if dc.tokens += n; dc.tokens > MaxTokensPerBatch {
-		return nil, dc.errf("more than %d token ids in one batch", MaxTokensPerBatch)
 	}
 	toks := make([]uint32, n)
 	p := dc.b
