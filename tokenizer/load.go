@@ -58,10 +58,50 @@ func parse(data, config []byte, forceRegexp bool) (*BPE, error) {
 	if err := json.Unmarshal(data, &f); err != nil {
 		return nil, fmt.Errorf("tokenizer: tokenizer.json: %w: %w", ErrCorrupt, err)
 	}
-	if f.Model == nil {
+	m, err := parseModel(f.Model)
+	if err != nil {
+		return nil, err
+	}
+	t, err := newBPE(m, len(f.AddedTokens))
+	if err != nil {
+		return nil, err
+	}
+	if err := t.parseNormalizer(f.Normalizer); err != nil {
+		return nil, err
+	}
+	byteLevel, err := t.parsePreTokenizer(f.PreTokenizer, forceRegexp)
+	if err != nil {
+		return nil, err
+	}
+	if byteLevel {
+		t.kind = kindByteLevel
+		if err := t.initByteLevel(m.Vocab); err != nil {
+			return nil, err
+		}
+	} else if err := t.initSentencePiece(m); err != nil {
+		return nil, err
+	}
+	if err := t.parseMerges(m); err != nil {
+		return nil, err
+	}
+	if err := renumberAdded(f.AddedTokens, m.Vocab); err != nil {
+		return nil, err
+	}
+	t.addTokens(m.Vocab, f.AddedTokens)
+	if len(config) > 0 {
+		if err := t.parseConfig(config); err != nil {
+			return nil, err
+		}
+	}
+	return t, nil
+}
+
+// parseModel checks that m is a BPE model this package supports and
+// decodes its vocabulary.
+func parseModel(m *jsonModel) (*jsonModel, error) {
+	if m == nil {
 		return nil, fmt.Errorf("tokenizer: tokenizer.json has no model: %w", ErrCorrupt)
 	}
-	m := f.Model
 	if m.Type != "BPE" {
 		return nil, fmt.Errorf("tokenizer: model type %q: %w", m.Type, ErrUnsupported)
 	}
@@ -77,8 +117,14 @@ func parse(data, config []byte, forceRegexp bool) (*BPE, error) {
 	if len(m.Vocab) == 0 {
 		return nil, fmt.Errorf("tokenizer: empty vocab: %w", ErrCorrupt)
 	}
+	return m, nil
+}
+
+// newBPE returns a tokenizer holding the vocabulary and options of m, with
+// room for nAdded added tokens.
+func newBPE(m *jsonModel, nAdded int) (*BPE, error) {
 	t := &BPE{
-		vocab:        make(map[string]uint32, len(m.Vocab)+len(f.AddedTokens)),
+		vocab:        make(map[string]uint32, len(m.Vocab)+nAdded),
 		ignoreMerges: m.IgnoreMerges,
 		fuseUnk:      m.FuseUnk,
 		byteFallback: m.ByteFallback,
@@ -100,70 +146,70 @@ func parse(data, config []byte, forceRegexp bool) (*BPE, error) {
 		}
 		t.unkID = int32(id)
 	}
+	return t, nil
+}
 
-	if err := t.parseNormalizer(f.Normalizer); err != nil {
-		return nil, err
+// initSentencePiece sets up a non byte-level (SentencePiece-style) model:
+// single-rune pieces, the metaspace splitter when safe, and byte-fallback
+// ids.
+func (t *BPE) initSentencePiece(m *jsonModel) error {
+	if t.split != nil || t.norm.nfc {
+		return fmt.Errorf("tokenizer: non byte-level BPE with a pre-tokenizer or NFC: %w", ErrUnsupported)
 	}
-	byteLevel, err := t.parsePreTokenizer(f.PreTokenizer, forceRegexp)
-	if err != nil {
-		return nil, err
+	t.kind = kindSentencePiece
+	t.runeIDs = make(map[rune]uint32)
+	for s, id := range m.Vocab {
+		if r, n := utf8.DecodeRuneInString(s); n == len(s) && n > 0 {
+			t.runeIDs[r] = id
+		}
 	}
-	if byteLevel {
-		t.kind = kindByteLevel
-		if err := t.initByteLevel(m.Vocab); err != nil {
-			return nil, err
-		}
-	} else {
-		if t.split != nil || t.norm.nfc {
-			return nil, fmt.Errorf("tokenizer: non byte-level BPE with a pre-tokenizer or NFC: %w", ErrUnsupported)
-		}
-		t.kind = kindSentencePiece
-		t.runeIDs = make(map[rune]uint32)
-		for s, id := range m.Vocab {
-			if r, n := utf8.DecodeRuneInString(s); n == len(s) && n > 0 {
-				t.runeIDs[r] = id
-			}
-		}
-		if metaspaceSafe(m.Vocab) {
-			t.split = metaspaceSplitter{}
-		}
-		if m.ByteFallback {
-			for b := 0; b < 256; b++ {
-				if id, ok := m.Vocab[fmt.Sprintf("<0x%02X>", b)]; ok {
-					t.byteIDs[b] = int32(id)
-				}
+	if metaspaceSafe(m.Vocab) {
+		t.split = metaspaceSplitter{}
+	}
+	if m.ByteFallback {
+		for b := 0; b < 256; b++ {
+			if id, ok := m.Vocab[fmt.Sprintf("<0x%02X>", b)]; ok {
+				t.byteIDs[b] = int32(id)
 			}
 		}
 	}
-	if err := t.parseMerges(m); err != nil {
-		return nil, err
-	}
+	return nil
+}
 
-	// HF ignores the ids written in added_tokens: a token already in the
-	// vocabulary (or added before) keeps that id, a new one gets the next id
-	// after the vocabulary and the previous added tokens (AddedVocabulary::
-	// add_tokens). For consistent files this changes nothing.
-	addedIDs := make(map[string]uint32, len(f.AddedTokens))
+// renumberAdded gives the added tokens the ids HF does.
+//
+// HF ignores the ids written in added_tokens: a token already in the
+// vocabulary (or added before) keeps that id, a new one gets the next id
+// after the vocabulary and the previous added tokens (AddedVocabulary::
+// add_tokens). For consistent files this changes nothing.
+func renumberAdded(added []addedToken, vocab map[string]uint32) error {
+	addedIDs := make(map[string]uint32, len(added))
 	var maxAdded int64 = -1
-	for i := range f.AddedTokens {
-		a := &f.AddedTokens[i]
+	for i := range added {
+		a := &added[i]
 		if a.Content == "" {
-			return nil, fmt.Errorf("tokenizer: empty added token %d: %w", a.ID, ErrCorrupt)
+			return fmt.Errorf("tokenizer: empty added token %d: %w", a.ID, ErrCorrupt)
 		}
 		if id, ok := addedIDs[a.Content]; ok {
 			a.ID = id
-		} else if id, ok := m.Vocab[a.Content]; ok {
+		} else if id, ok := vocab[a.Content]; ok {
 			a.ID = id
-		} else if maxAdded >= int64(len(m.Vocab)) {
+		} else if maxAdded >= int64(len(vocab)) {
 			a.ID = uint32(maxAdded + 1)
 		} else {
-			a.ID = uint32(len(m.Vocab))
+			a.ID = uint32(len(vocab))
 		}
 		addedIDs[a.Content] = a.ID
 		maxAdded = max(maxAdded, int64(a.ID))
 	}
+	return nil
+}
+
+// addTokens adds the (renumbered) added tokens to the vocabulary and
+// builds the pieces and the matchers of raw and normalized added tokens.
+func (t *BPE) addTokens(vocab map[string]uint32, added []addedToken) {
 	var raw, normed []addedToken
-	for _, a := range f.AddedTokens {
+	for _, a := range added {
 		t.vocab[a.Content] = a.ID
 		t.vocabSize = max(t.vocabSize, int(a.ID)+1)
 		if a.Normalized {
@@ -175,15 +221,9 @@ func parse(data, config []byte, forceRegexp bool) (*BPE, error) {
 			raw = append(raw, a)
 		}
 	}
-	t.buildPieces(m.Vocab, f.AddedTokens)
+	t.buildPieces(vocab, added)
 	t.added = newAddedMatcher(raw)
 	t.addedN = newAddedMatcher(normed)
-	if len(config) > 0 {
-		if err := t.parseConfig(config); err != nil {
-			return nil, err
-		}
-	}
-	return t, nil
 }
 
 func (t *BPE) parseNormalizer(raw json.RawMessage) error {

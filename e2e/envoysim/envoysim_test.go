@@ -353,6 +353,16 @@ func TestFullDuplexExchange(t *testing.T) {
 		t.Error("route cache not cleared")
 	}
 
+	checkFullDuplexUpstream(t, w1, w2, body)
+	sent := checkFullDuplexOrder(t, x, len(body))
+	checkFullDuplexFirstMessage(t, sent, p.Addr(), w2.Addr())
+	checkFullDuplexResponsePath(t, sent, w2.Addr())
+}
+
+// checkFullDuplexUpstream checks what TestFullDuplexExchange's worker w2
+// received (w1 receiving nothing).
+func checkFullDuplexUpstream(t *testing.T, w1, w2 *worker.Worker, body []byte) {
+	t.Helper()
 	// The body reached the worker byte for byte, chunked (content-length
 	// removed in FULL_DUPLEX), with the destination header set by the picker.
 	reqs := w2.Requests()
@@ -371,7 +381,13 @@ func TestFullDuplexExchange(t *testing.T) {
 	if got := reqs[0].Header.Get("x-request-id"); got != "req-1" {
 		t.Errorf("x-request-id %q", got)
 	}
+}
 
+// checkFullDuplexOrder checks the order of TestFullDuplexExchange's
+// messages and the sizes of its request body chunks, and returns the
+// messages sent.
+func checkFullDuplexOrder(t *testing.T, x envoysim.Exchange, bodyLen int) []*extprocv3.ProcessingRequest {
+	t.Helper()
 	// Order: headers, every body chunk (without waiting for the headers
 	// response), then the picker's headers response and the body coming back.
 	flow := x.Flow()
@@ -397,13 +413,19 @@ func TestFullDuplexExchange(t *testing.T) {
 	for i, m := range sent[1 : 1+nChunks] {
 		want := []int{7001, 3333}[i%2]
 		if i == nChunks-1 {
-			want = len(body) - (nChunks-1)/2*(7001+3333) - (nChunks-1)%2*7001
+			want = bodyLen - (nChunks-1)/2*(7001+3333) - (nChunks-1)%2*7001
 		}
 		if got := len(m.GetRequestBody().GetBody()); got != want {
 			t.Errorf("chunk %d: %d bytes, want %d", i, got, want)
 		}
 	}
+	return sent
+}
 
+// checkFullDuplexFirstMessage checks TestFullDuplexExchange's first
+// message (and that no other has protocol_config).
+func checkFullDuplexFirstMessage(t *testing.T, sent []*extprocv3.ProcessingRequest, authority, dest string) {
+	t.Helper()
 	// First message: protocol_config, raw_value headers with the
 	// pseudo-headers, the subset hint forwarded; nothing else has
 	// protocol_config.
@@ -420,7 +442,7 @@ func TestFullDuplexExchange(t *testing.T) {
 	}
 	hdrs := first.GetRequestHeaders().GetHeaders()
 	for key, want := range map[string]string{
-		":method": "POST", ":path": "/v1/chat/completions", ":scheme": "http", ":authority": p.Addr(),
+		":method": "POST", ":path": "/v1/chat/completions", ":scheme": "http", ":authority": authority,
 		envoysim.KeyDestination: "10.9.9.9:1", "content-length": "40000",
 	} {
 		if got, ok := headerValue(hdrs, key); !ok || got != want {
@@ -436,10 +458,15 @@ func TestFullDuplexExchange(t *testing.T) {
 		t.Error("end_of_stream on headers of a request with a body")
 	}
 	hint := first.GetMetadataContext().GetFilterMetadata()[envoysim.NamespaceSubsetHint].GetFields()[envoysim.KeySubset]
-	if got := hint.GetListValue().GetValues(); len(got) != 2 || got[1].GetStringValue() != w2.Addr() {
+	if got := hint.GetListValue().GetValues(); len(got) != 2 || got[1].GetStringValue() != dest {
 		t.Errorf("subset hint forwarded as %v", hint)
 	}
+}
 
+// checkFullDuplexResponsePath checks TestFullDuplexExchange's response
+// headers message.
+func checkFullDuplexResponsePath(t *testing.T, sent []*extprocv3.ProcessingRequest, served string) {
+	t.Helper()
 	// Response path: headers with :status, the served endpoint in metadata.
 	var rh *extprocv3.ProcessingRequest
 	for _, m := range sent {
@@ -454,10 +481,10 @@ func TestFullDuplexExchange(t *testing.T) {
 		t.Errorf(":status %q", got)
 	}
 	lb := rh.GetMetadataContext().GetFilterMetadata()[envoysim.NamespaceLB].GetFields()
-	if got := lb[envoysim.KeyServed].GetStringValue(); got != w2.Addr() {
-		t.Errorf("served %q, want %q", got, w2.Addr())
+	if got := lb[envoysim.KeyServed].GetStringValue(); got != served {
+		t.Errorf("served %q, want %q", got, served)
 	}
-	if got := lb[envoysim.KeyDestination].GetStringValue(); got != w2.Addr() {
+	if got := lb[envoysim.KeyDestination].GetStringValue(); got != served {
 		t.Errorf("destination metadata on the response path %q", got)
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
@@ -250,6 +251,26 @@ func (l *limitedReader) Read(p []byte) (int, error) {
 // is clamped to 1. Parse never panics; errors wrap ErrTooLarge,
 // ErrMalformed, ErrNoLoadMetrics or the reader's own error.
 func Parse(r io.Reader, limit int64) (Sample, error) {
+	fams, err := loadFamilies(r, limit)
+	if err != nil {
+		return Sample{}, err
+	}
+	acc := accumulator{loraTime: math.Inf(-1)}
+	for name, mf := range fams {
+		k := kinds[normalize(name)]
+		if k == kindNone {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			acc.add(k, m)
+		}
+	}
+	return acc.sample()
+}
+
+// loadFamilies reads at most limit bytes (DefaultMaxBody when limit <= 0)
+// of r and parses its load series into metric families.
+func loadFamilies(r io.Reader, limit int64) (map[string]*dto.MetricFamily, error) {
 	if limit <= 0 {
 		limit = DefaultMaxBody
 	}
@@ -259,126 +280,152 @@ func Parse(r io.Reader, limit int64) (Sample, error) {
 	// metric families takes ~80 MiB of heap per scrape.
 	load, ferr := loadLines(lr)
 	if lr.exceeded {
-		return Sample{}, fmt.Errorf("%w (limit %d bytes)", ErrTooLarge, limit)
+		return nil, fmt.Errorf("%w (limit %d bytes)", ErrTooLarge, limit)
 	}
 	if lr.err != nil {
-		return Sample{}, fmt.Errorf("scrape: reading metrics: %w", lr.err)
+		return nil, fmt.Errorf("scrape: reading metrics: %w", lr.err)
 	}
 	if ferr != nil {
-		return Sample{}, ferr
+		return nil, ferr
 	}
 	p := expfmt.NewTextParser(model.UTF8Validation)
 	fams, err := p.TextToMetricFamilies(bytes.NewReader(load))
 	if err != nil {
-		return Sample{}, fmt.Errorf("%w: %w", ErrMalformed, err)
+		return nil, fmt.Errorf("%w: %w", ErrMalformed, err)
 	}
+	return fams, nil
+}
 
-	var (
-		s        Sample
-		found    bool
-		ranks    map[int]*RankLoad
-		loraTime = math.Inf(-1)
-	)
-	rank := func(n int) *RankLoad {
-		if ranks == nil {
-			ranks = make(map[int]*RankLoad)
-		}
-		rl := ranks[n]
-		if rl == nil {
-			rl = &RankLoad{Rank: n}
-			ranks[n] = rl
-		}
-		return rl
-	}
-	for name, mf := range fams {
-		k := kinds[normalize(name)]
-		if k == kindNone {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			var v float64
-			switch {
-			case m.GetGauge() != nil:
-				v = m.GetGauge().GetValue()
-			case m.GetCounter() != nil:
-				v = m.GetCounter().GetValue()
-			case m.GetUntyped() != nil:
-				v = m.GetUntyped().GetValue()
-			default:
-				continue // a histogram or summary under a load name
+// accumulator folds the series of a body's load metrics into a Sample.
+type accumulator struct {
+	s        Sample
+	found    bool // a waiting, running or KV usage series was seen
+	ranks    map[int]*RankLoad
+	loraTime float64 // the value of the newest LoRA series so far
+}
+
+// seriesLabels are the labels of a load series that Parse reads.
+type seriesLabels struct {
+	rank                                            int // -1 when absent or invalid
+	blockSize, gpuBlocks, running, waiting, maxLoRA string
+}
+
+// labelsOf returns the labels of m that Parse reads.
+func labelsOf(m *dto.Metric) seriesLabels {
+	l := seriesLabels{rank: -1}
+	for _, lp := range m.GetLabel() {
+		switch lp.GetName() {
+		case "engine", "dp_rank":
+			if n, err := strconv.Atoi(lp.GetValue()); err == nil && n >= 0 && n < 1<<16 {
+				l.rank = n
 			}
-			if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
-				continue
-			}
-			var (
-				rankNo                                          = -1
-				blockSize, gpuBlocks, running, waiting, maxLoRA string
-			)
-			for _, lp := range m.GetLabel() {
-				switch lp.GetName() {
-				case "engine", "dp_rank":
-					if n, err := strconv.Atoi(lp.GetValue()); err == nil && n >= 0 && n < 1<<16 {
-						rankNo = n
-					}
-				case "block_size":
-					blockSize = lp.GetValue()
-				case "num_gpu_blocks":
-					gpuBlocks = lp.GetValue()
-				case "running_lora_adapters":
-					running = lp.GetValue()
-				case "waiting_lora_adapters":
-					waiting = lp.GetValue()
-				case "max_lora":
-					maxLoRA = lp.GetValue()
-				}
-			}
-			switch k {
-			case kindWaiting:
-				found = true
-				s.Waiting += v
-				if rankNo >= 0 {
-					rank(rankNo).Waiting += v
-				}
-			case kindRunning:
-				found = true
-				s.Running += v
-				if rankNo >= 0 {
-					rank(rankNo).Running += v
-				}
-			case kindKVUsage:
-				found = true
-				v = min(v, 1)
-				s.KVUsage = max2(s.KVUsage, v)
-				if rankNo >= 0 {
-					rl := rank(rankNo)
-					rl.KVUsage = max2(rl.KVUsage, v)
-				}
-			case kindCacheConfig:
-				if n := atoiPos(blockSize); n > 0 {
-					s.BlockSize = n
-				}
-				if n := atoiPos(gpuBlocks); n > 0 {
-					s.NumGPUBlocks = n
-				}
-			case kindLoRA:
-				// vLLM keeps one series per adapter set seen, valued with
-				// the time it was set: the newest wins.
-				if v < loraTime {
-					continue
-				}
-				loraTime = v
-				s.Adapters = adapters(running, waiting)
-				s.MaxLoRA = atoiPos(maxLoRA)
-			}
+		case "block_size":
+			l.blockSize = lp.GetValue()
+		case "num_gpu_blocks":
+			l.gpuBlocks = lp.GetValue()
+		case "running_lora_adapters":
+			l.running = lp.GetValue()
+		case "waiting_lora_adapters":
+			l.waiting = lp.GetValue()
+		case "max_lora":
+			l.maxLoRA = lp.GetValue()
 		}
 	}
-	if !found {
+	return l
+}
+
+// seriesValue returns the value of a gauge, counter or untyped series; ok
+// is false for other types (a histogram or summary under a load name) and
+// for a NaN, infinite or negative value.
+func seriesValue(m *dto.Metric) (v float64, ok bool) {
+	switch {
+	case m.GetGauge() != nil:
+		v = m.GetGauge().GetValue()
+	case m.GetCounter() != nil:
+		v = m.GetCounter().GetValue()
+	case m.GetUntyped() != nil:
+		v = m.GetUntyped().GetValue()
+	default:
+		return 0, false
+	}
+	if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
+		return 0, false
+	}
+	return v, true
+}
+
+// rank returns the load of rank n, adding it if new.
+func (a *accumulator) rank(n int) *RankLoad {
+	if a.ranks == nil {
+		a.ranks = make(map[int]*RankLoad)
+	}
+	rl := a.ranks[n]
+	if rl == nil {
+		rl = &RankLoad{Rank: n}
+		a.ranks[n] = rl
+	}
+	return rl
+}
+
+// add folds one series of a metric of kind k.
+func (a *accumulator) add(k kind, m *dto.Metric) {
+	v, ok := seriesValue(m)
+	if !ok {
+		return
+	}
+	l := labelsOf(m)
+	s := &a.s
+	switch k {
+	case kindWaiting:
+		a.found = true
+		s.Waiting += v
+		if l.rank >= 0 {
+			a.rank(l.rank).Waiting += v
+		}
+	case kindRunning:
+		a.found = true
+		s.Running += v
+		if l.rank >= 0 {
+			a.rank(l.rank).Running += v
+		}
+	case kindKVUsage:
+		a.found = true
+		v = min(v, 1)
+		s.KVUsage = max2(s.KVUsage, v)
+		if l.rank >= 0 {
+			rl := a.rank(l.rank)
+			rl.KVUsage = max2(rl.KVUsage, v)
+		}
+	case kindCacheConfig:
+		if n := atoiPos(l.blockSize); n > 0 {
+			s.BlockSize = n
+		}
+		if n := atoiPos(l.gpuBlocks); n > 0 {
+			s.NumGPUBlocks = n
+		}
+	case kindLoRA:
+		// vLLM keeps one series per adapter set seen, valued with
+		// the time it was set: the newest wins.
+		if v < a.loraTime {
+			return
+		}
+		a.loraTime = v
+		s.Adapters = adapters(l.running, l.waiting)
+		s.MaxLoRA = atoiPos(l.maxLoRA)
+	}
+}
+
+// sample returns the folded Sample, or ErrNoLoadMetrics when no waiting,
+// running or KV usage series was seen.
+func (a *accumulator) sample() (Sample, error) {
+	if !a.found {
 		return Sample{}, ErrNoLoadMetrics
 	}
+	s := a.s
 	s.Known = true
-	if len(ranks) > 0 {
-		s.Ranks = make([]RankLoad, 0, len(ranks))
-		for _, rl := range ranks {
+	if len(a.ranks) > 0 {
+		s.Ranks = make([]RankLoad, 0, len(a.ranks))
+		for _, rl := range a.ranks {
 			s.Ranks = append(s.Ranks, *rl)
 		}
 		slices.SortFunc(s.Ranks, func(a, b RankLoad) int { return a.Rank - b.Rank })
