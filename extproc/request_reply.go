@@ -8,7 +8,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 
-	"github.com/kvbandit/kvbandit/internal/tracing"
+	"github.com/kvbandit/kvbandit/extproc/tracing"
 )
 
 // headersResponse answers the request headers; with decided set it carries

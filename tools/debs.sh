@@ -12,7 +12,7 @@ python3 -c 'import jinja2' 2>/dev/null || need+=(python3 python3-jinja2)
 # and ip (iproute2) bring up its loopback.
 command -v ip >/dev/null || need+=(iproute2)
 command -v unshare >/dev/null || need+=(util-linux)
-# The libzmq interop tests (internal/zmtp, routing/kvevents) run a pyzmq
+# The libzmq interop tests (routing/kvevents/zmtp, routing/kvevents) run a pyzmq
 # peer with Debian's interpreter, which is what has python3-zmq.
 /usr/bin/python3 -c 'import zmq' 2>/dev/null || need+=(python3-zmq)
 # The container image test (e2e/image): buildah builds the image offline,

@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/extproc/openai"
-	"github.com/kvbandit/kvbandit/internal/tracing"
+	"github.com/kvbandit/kvbandit/extproc/tracing"
 	"github.com/kvbandit/kvbandit/routing"
 )
 

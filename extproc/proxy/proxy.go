@@ -17,7 +17,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/openai"
-	"github.com/kvbandit/kvbandit/internal/tracing"
+	"github.com/kvbandit/kvbandit/extproc/tracing"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/engine"

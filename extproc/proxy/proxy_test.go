@@ -23,7 +23,7 @@ import (
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/extproc/proxy"
-	"github.com/kvbandit/kvbandit/internal/tracing"
+	"github.com/kvbandit/kvbandit/extproc/tracing"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/pd"

@@ -9,7 +9,7 @@
 // with a small reader of its own that checks every declared length
 // against the bytes present and the limits ([MaxEventsPerBatch] and the
 // others) before it allocates. [Subscribe] runs one ZMTP SUB socket
-// (package internal/zmtp) per endpoint, bound or connected, and feeds the
+// (package routing/kvevents/zmtp) per endpoint, bound or connected, and feeds the
 // decoded events to an Apply callback in the worker's order.
 //
 // # Concurrency

@@ -12,7 +12,7 @@ import (
 	"github.com/go-zeromq/zmq4"
 	"go.uber.org/goleak"
 
-	"github.com/kvbandit/kvbandit/internal/zmtp/zmtptest"
+	"github.com/kvbandit/kvbandit/routing/kvevents/zmtp/zmtptest"
 )
 
 // These tests play hostile peers to a bound SUB (kv_events_bind: anyone

@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvbandit/kvbandit/internal/zmtp/zmtptest"
+	"github.com/kvbandit/kvbandit/routing/kvevents/zmtp/zmtptest"
 )
 
 // vllmBatch is a map-encoded batch (what current vLLM sends: msgspec

@@ -11,7 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvbandit/kvbandit/internal/zmtp"
+	"github.com/kvbandit/kvbandit/routing/kvevents/zmtp"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 )
 

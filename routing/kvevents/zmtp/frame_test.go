@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvbandit/kvbandit/internal/zmtp/zmtptest"
+	"github.com/kvbandit/kvbandit/routing/kvevents/zmtp/zmtptest"
 )
 
 // heapAllocs is the process's cumulative heap allocation in bytes.

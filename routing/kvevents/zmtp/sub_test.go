@@ -15,7 +15,7 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 
-	"github.com/kvbandit/kvbandit/internal/zmtp/zmtptest"
+	"github.com/kvbandit/kvbandit/routing/kvevents/zmtp/zmtptest"
 )
 
 // inbox collects what a Sub hands over.

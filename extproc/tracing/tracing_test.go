@@ -15,7 +15,7 @@ import (
 	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/kvbandit/kvbandit/internal/tracing"
+	"github.com/kvbandit/kvbandit/extproc/tracing"
 	"github.com/kvbandit/kvbandit/routing"
 )
 
