@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/extproc/proxy"
+	"github.com/kvbandit/kvbandit/internal/cmdline"
 	"github.com/kvbandit/kvbandit/internal/simworker"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/policy"
@@ -103,7 +104,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.SetOutput(stderr)
 	var o DemoOptions
 	o.AddFlags(fs)
-	if err := parseFlags(fs, args); err != nil {
+	if err := cmdline.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

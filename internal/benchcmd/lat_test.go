@@ -1,4 +1,4 @@
-package app
+package benchcmd
 
 import (
 	"encoding/json"
@@ -52,7 +52,7 @@ func TestBenchPredErrAndSchedule(t *testing.T) {
 	t.Parallel()
 	path := writeMooncake(t, 80)
 	jsonOut := filepath.Join(t.TempDir(), "out.json")
-	out, errOut, err := run(t, "bench", "--trace", path, "--workers", "3", "--policy", "kv,kvbandit_blocks,kvbandit",
+	out, errOut, err := run(t, "--trace", path, "--workers", "3", "--policy", "kv,kvbandit_blocks,kvbandit",
 		"--rate-scale", "2", "--kv-blocks", "256", "--speed-schedule", "1s:1:0.5,3s:1:1", "--json", jsonOut)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, errOut)

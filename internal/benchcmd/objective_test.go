@@ -1,4 +1,4 @@
-package app
+package benchcmd
 
 import (
 	"encoding/json"
@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvbandit/kvbandit/internal/cmdline"
 	"github.com/kvbandit/kvbandit/routing/sim"
 )
 
@@ -25,7 +26,7 @@ func TestBenchObjectives(t *testing.T) {
 		{"10m", 1, 1},   // every served request meets it
 		{"300ms", 0, 1}, // somewhere in between
 	} {
-		out, errOut, err := run(t, "bench", "--trace", path, "--workers", "3", "--policy", "round_robin,kv",
+		out, errOut, err := run(t, "--trace", path, "--workers", "3", "--policy", "round_robin,kv",
 			"--kv-blocks", "256", "--rate-scale", "2", "--objective-ttft", c.ttft, "--objective-share", "0.5",
 			"--objective-priority", "2", "--json", jsonOut)
 		if err != nil {
@@ -91,8 +92,8 @@ func TestBenchObjectiveUsageErrors(t *testing.T) {
 		{[]string{"--objective-ttft", "1s", "--objective-priority", "5000"}},
 		{[]string{"--objective-headroom", "1.5"}},
 	} {
-		_, _, err := run(t, append([]string{"bench", "--policy", "round_robin", "--trace", good}, c.args...)...)
-		if !errors.Is(err, ErrUsage) || !strings.Contains(err.Error(), "--objective") {
+		_, _, err := run(t, append([]string{"--policy", "round_robin", "--trace", good}, c.args...)...)
+		if !errors.Is(err, cmdline.ErrUsage) || !strings.Contains(err.Error(), "--objective") {
 			t.Errorf("%q: err %v, want a usage error naming the flag", c.args, err)
 		}
 	}

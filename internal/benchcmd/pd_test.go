@@ -1,4 +1,4 @@
-package app
+package benchcmd
 
 import (
 	"encoding/json"
@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvbandit/kvbandit/internal/cmdline"
 )
 
 func TestBenchPDUsageErrors(t *testing.T) {
@@ -26,9 +28,9 @@ func TestBenchPDUsageErrors(t *testing.T) {
 		{[]string{"--prefill-workers", "1", "--kv-transfer-latency", "-1ms"}, "--kv-transfer-latency"},
 		{[]string{"--prefill-workers", "1", "--kv-bytes-per-token", "0"}, "--kv-bytes-per-token"},
 	} {
-		_, errOut, err := run(t, append([]string{"bench", "--policy", "round_robin", "--trace", good}, c.args...)...)
-		if err == nil || !errors.Is(err, ErrUsage) || !strings.Contains(err.Error()+errOut, c.want) {
-			t.Errorf("%q: err %v (usage %v), want %q\n%s", c.args, err, errors.Is(err, ErrUsage), c.want, errOut)
+		_, errOut, err := run(t, append([]string{"--policy", "round_robin", "--trace", good}, c.args...)...)
+		if err == nil || !errors.Is(err, cmdline.ErrUsage) || !strings.Contains(err.Error()+errOut, c.want) {
+			t.Errorf("%q: err %v (usage %v), want %q\n%s", c.args, err, errors.Is(err, cmdline.ErrUsage), c.want, errOut)
 		}
 	}
 }
@@ -41,7 +43,7 @@ func TestBenchPDRows(t *testing.T) {
 	t.Parallel()
 	path := writeMooncake(t, 60)
 	jsonOut := filepath.Join(t.TempDir(), "out.json")
-	out, errOut, err := run(t, "bench", "--trace", path, "--workers", "4", "--prefill-workers", "1", "--policy", "kvbandit",
+	out, errOut, err := run(t, "--trace", path, "--workers", "4", "--prefill-workers", "1", "--policy", "kvbandit",
 		"--pd-threshold-tokens", "1300", "--kv-blocks", "256", "--json", jsonOut, "--quiet")
 	if err != nil {
 		t.Fatalf("%v\n%s", err, errOut)
