@@ -1,6 +1,11 @@
-// Package app implements kvbandit's command line: flag parsing, wiring of
-// the servers, and the subcommands. main only installs signal handling and
-// calls [Run].
+// Package app implements kvbandit's command line: the command table
+// ([Run]), flag parsing, the wiring of the servers serve runs (the
+// start-up sequence in serve.go, its servers in serve_servers.go, the
+// drain in serve_shutdown.go, the engine in wiring.go), and the
+// subcommands (demo, config, envoy-config, register, tokenize, version).
+// `kvbandit bench` is package benchcmd, which the command table calls with
+// serve's config loader. main only installs signal handling and calls
+// [Run].
 package app
 
 import (
