@@ -84,14 +84,7 @@ func TestBenchMooncake(t *testing.T) {
 			t.Errorf("stderr lacks %q:\n%s", want, errOut)
 		}
 	}
-	var rep benchReport
-	b, err := os.ReadFile(jsonOut)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := json.Unmarshal(b, &rep); err != nil {
-		t.Fatal(err)
-	}
+	rep := readReport(t, jsonOut)
 	if rep.Requests != 60 || len(rep.Policies) != 3 || rep.Bounds.Infinite <= 0 || rep.Bounds.Finite > rep.Bounds.Infinite {
 		t.Fatalf("report %+v", rep)
 	}
@@ -217,11 +210,7 @@ func TestBenchRealMooncake(t *testing.T) {
 		t.Fatalf("%v\n%s", err, errOut)
 	}
 	t.Log("\n" + out)
-	var rep benchReport
-	b, _ := os.ReadFile(jsonOut)
-	if err := json.Unmarshal(b, &rep); err != nil {
-		t.Fatal(err)
-	}
+	rep := readReport(t, jsonOut)
 	if rep.Requests != 500 || len(rep.Policies) < 6 {
 		t.Fatalf("%d requests, %d policies", rep.Requests, len(rep.Policies))
 	}
@@ -238,6 +227,20 @@ func TestBenchRealMooncake(t *testing.T) {
 	}
 }
 
+// readReport reads the --json report bench wrote to path.
+func readReport(t *testing.T, path string) benchReport {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep benchReport
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatal(err)
+	}
+	return rep
+}
+
 // benchJSON runs bench with args and returns its --json report with the
 // wall-clock fields zeroed.
 func benchJSON(t *testing.T, args ...string) (benchReport, string) {
@@ -247,14 +250,7 @@ func benchJSON(t *testing.T, args ...string) (benchReport, string) {
 	if err != nil {
 		t.Fatalf("%v\n%s", err, errOut)
 	}
-	b, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var rep benchReport
-	if err := json.Unmarshal(b, &rep); err != nil {
-		t.Fatal(err)
-	}
+	rep := readReport(t, path)
 	for i := range rep.Policies {
 		rep.Policies[i].WallSec, rep.Policies[i].DecisionsSec = 0, 0
 	}

@@ -1,8 +1,6 @@
 package benchcmd
 
 import (
-	"encoding/json"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -62,14 +60,7 @@ func TestBenchPredErrAndSchedule(t *testing.T) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}
 	}
-	var rep benchReport
-	b, err := os.ReadFile(jsonOut)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := json.Unmarshal(b, &rep); err != nil {
-		t.Fatal(err)
-	}
+	rep := readReport(t, jsonOut)
 	for _, p := range rep.Policies {
 		if predicts := p.Policy != "kv"; p.Predicts != predicts || (predicts && !(p.PredErr > 0 && p.PredErr < 10)) {
 			t.Errorf("%s: predicts %v, pred err %v", p.Policy, p.Predicts, p.PredErr)

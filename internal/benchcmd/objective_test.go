@@ -1,9 +1,7 @@
 package benchcmd
 
 import (
-	"encoding/json"
 	"errors"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -35,14 +33,7 @@ func TestBenchObjectives(t *testing.T) {
 		if !strings.Contains(out, "SLO met") || !strings.Contains(out, "others p90") {
 			t.Fatalf("no objective columns:\n%s", out)
 		}
-		var rep benchReport
-		b, err := os.ReadFile(jsonOut)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := json.Unmarshal(b, &rep); err != nil {
-			t.Fatal(err)
-		}
+		rep := readReport(t, jsonOut)
 		for _, p := range rep.Policies {
 			o := p.Objective
 			if o == nil || o.Requests < 15 || o.Requests > 45 || o.Met < c.metLow || o.Met > c.metHigh || o.Shed != 0 || o.OthersP90 <= 0 {

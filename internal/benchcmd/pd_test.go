@@ -1,9 +1,7 @@
 package benchcmd
 
 import (
-	"encoding/json"
 	"errors"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -53,14 +51,7 @@ func TestBenchPDRows(t *testing.T) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}
 	}
-	var rep benchReport
-	b, err := os.ReadFile(jsonOut)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := json.Unmarshal(b, &rep); err != nil {
-		t.Fatal(err)
-	}
+	rep := readReport(t, jsonOut)
 	if len(rep.Policies) != 3 || rep.PrefillWorkers != 1 || rep.PDThresholdTokens != 1300 {
 		t.Fatalf("report %+v", rep)
 	}

@@ -1,7 +1,6 @@
 package benchcmd
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -39,14 +38,7 @@ func TestBenchCPUTier(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%v\n%s", err, errOut)
 		}
-		var rep benchReport
-		b, err := os.ReadFile(out)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := json.Unmarshal(b, &rep); err != nil {
-			t.Fatal(err)
-		}
+		rep := readReport(t, out)
 		return stdout, rep
 	}
 	offOut, off := bench("off")
