@@ -1,6 +1,11 @@
-// Package app implements kvbandit's command line: flag parsing, wiring of
-// the servers, and the subcommands. main only installs signal handling and
-// calls [Run].
+// Package app implements kvbandit's command line: the command table
+// ([Run]), flag parsing, the wiring of the servers serve runs (the
+// start-up sequence in serve.go, its servers in serve_servers.go, the
+// drain in serve_shutdown.go, the engine in wiring.go), and the
+// subcommands (demo, config, envoy-config, register, tokenize, version).
+// `kvbandit bench` is package benchcmd, which the command table calls with
+// serve's config loader. main only installs signal handling and calls
+// [Run].
 package app
 
 import (
@@ -14,11 +19,15 @@ import (
 	"sort"
 	"strings"
 
+	"github.com/kvbandit/kvbandit/internal/benchcmd"
 	"github.com/kvbandit/kvbandit/internal/buildinfo"
+	"github.com/kvbandit/kvbandit/internal/cmdline"
 )
 
-// ErrUsage marks command-line mistakes (exit code 2).
-var ErrUsage = errors.New("usage")
+// ErrUsage marks command-line mistakes (exit code 2). It is
+// [cmdline.ErrUsage], which the subcommands in their own packages
+// (benchcmd) wrap too.
+var ErrUsage = cmdline.ErrUsage
 
 // ExitCode maps an error from Run to a process exit code.
 func ExitCode(err error) int {
@@ -115,14 +124,18 @@ func printVersion(w io.Writer, bi buildinfo.Info) {
 	fmt.Fprintf(w, "kvbandit %s\ncommit: %s\nbuilt:  %s\ngo:     %s %s/%s\n", bi.Version, bi.Commit, bi.Date, bi.GoVersion, runtime.GOOS, runtime.GOARCH)
 }
 
-// parseFlags parses a subcommand's flags: -h/--help passes flag.ErrHelp
-// through (exit 0 after the usage), any other parse error is a usage error.
-func parseFlags(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
-		}
-		return fmt.Errorf("%w: %w", ErrUsage, err)
+// runBench is `kvbandit bench` (internal/benchcmd), whose --config is
+// read as serve reads it.
+func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	return benchcmd.Run(ctx, args, stdout, stderr, benchConfig)
+}
+
+// benchConfig is bench's --config loader: serve's config file, read as
+// serve reads it, gives bench its policy sections and tier weights.
+func benchConfig(path string) (benchcmd.ConfigFile, error) {
+	c, err := LoadConfig(path)
+	if err != nil {
+		return benchcmd.ConfigFile{}, err
 	}
-	return nil
+	return benchcmd.ConfigFile{Policies: &c.Config, TierWeights: c.Router.TierWeights}, nil
 }

@@ -12,6 +12,7 @@ import (
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/kvbandit/kvbandit/internal/cmdline"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/tokenizer/models"
 )
@@ -41,7 +42,7 @@ func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) error
 	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
 		file, args = args[0], args[1:]
 	}
-	if err := parseFlags(fs, args); err != nil {
+	if err := cmdline.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if file == "" && fs.NArg() == 1 {

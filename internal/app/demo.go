@@ -9,6 +9,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -20,6 +21,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/extproc/proxy"
+	"github.com/kvbandit/kvbandit/internal/cmdline"
 	"github.com/kvbandit/kvbandit/internal/simworker"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/policy"
@@ -103,7 +105,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	fs.SetOutput(stderr)
 	var o DemoOptions
 	o.AddFlags(fs)
-	if err := parseFlags(fs, args); err != nil {
+	if err := cmdline.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
@@ -120,58 +122,100 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 // serving until ctx ends (or returns after the burst with ExitAfterBurst).
 func Demo(ctx context.Context, o DemoOptions, stdout, stderr io.Writer) error {
 	log := newLogger(stderr, o.LogLevel, "text")
-
-	// The fleet.
-	workers := make([]*simworker.Server, 0, len(demoSpeeds))
+	workers, err := startDemoFleet(ctx, o.SpeedUp, log)
 	defer func() {
 		for _, w := range workers {
 			w.Close()
 		}
 	}()
-	eps := make([]routing.Endpoint, 0, len(demoSpeeds))
-	for i, speed := range demoSpeeds {
-		w, err := simworker.New(simworker.Config{
-			Model: demoModel, Addr: "127.0.0.1:0", KVEventsAddr: "tcp://127.0.0.1:0",
-			Speed: speed, SpeedUp: o.SpeedUp, DefaultMaxTokens: 32,
-			Worker: sim.WorkerConfig{KVBlocks: demoKVBlocks, BlockSize: demoBlockSize},
-			Logger: log.With("worker", i+1),
-		})
-		if err != nil {
-			return err
-		}
-		if err := w.Start(ctx); err != nil {
-			return err
-		}
-		workers = append(workers, w)
-		eps = append(eps, routing.Endpoint{
-			Key: routing.EndpointKey(w.Addr()), Models: []routing.ModelName{demoModel}, Engine: "vllm",
-			BlockSize: demoBlockSize, MaxBatchedTokens: w.Config().Worker.MaxBatchedTokens, KVEvents: w.KVEventsAddr(),
-		})
+	if err != nil {
+		return err
 	}
-
 	// serve, on listeners bound here so that a busy port fails now.
 	dir, err := os.MkdirTemp("", "kvbandit-demo-")
 	if err != nil {
 		return err
 	}
 	defer os.RemoveAll(dir)
-	cfgPath := filepath.Join(dir, "config.json")
-	cfgJSON, err := json.Marshal(map[string]any{"endpoints": eps})
+	so, err := demoServeOptions(o, filepath.Join(dir, "config.json"), workers)
 	if err != nil {
 		return err
 	}
-	if err := os.WriteFile(cfgPath, cfgJSON, 0o600); err != nil {
+	ls, err := bindDemoListeners(o)
+	if err != nil {
 		return err
 	}
+	d := startDemoServe(ctx, so, log, ls)
+	defer d.cancel()
+	if ready, err := d.waitReady(ctx); !ready {
+		return err
+	}
+	d.printFleet(stdout, o, workers)
+	if !o.NoBurst {
+		if end, err := d.burst(ctx, stdout, o, workers); end {
+			return err
+		}
+	}
+	if o.ExitAfterBurst {
+		return d.stop()
+	}
+	printTryIt(stdout, d.proxyURL, d.grpcAddr, d.metricsAddr, workers)
+	<-ctx.Done()
+	fmt.Fprintln(stdout, "stopping")
+	return d.stop()
+}
+
+// startDemoFleet starts the simulated workers. On an error it returns the
+// ones started, for the caller to close.
+func startDemoFleet(ctx context.Context, speedUp float64, log *slog.Logger) ([]*simworker.Server, error) {
+	workers := make([]*simworker.Server, 0, len(demoSpeeds))
+	for i, speed := range demoSpeeds {
+		w, err := simworker.New(simworker.Config{
+			Model: demoModel, Addr: "127.0.0.1:0", KVEventsAddr: "tcp://127.0.0.1:0",
+			Speed: speed, SpeedUp: speedUp, DefaultMaxTokens: 32,
+			Worker: sim.WorkerConfig{KVBlocks: demoKVBlocks, BlockSize: demoBlockSize},
+			Logger: log.With("worker", i+1),
+		})
+		if err != nil {
+			return workers, err
+		}
+		if err := w.Start(ctx); err != nil {
+			return workers, err
+		}
+		workers = append(workers, w)
+	}
+	return workers, nil
+}
+
+// demoServeOptions writes the fleet's endpoints to a config file at
+// cfgPath and returns serve's options over it.
+func demoServeOptions(o DemoOptions, cfgPath string, workers []*simworker.Server) (ServeOptions, error) {
 	var so ServeOptions
+	eps := make([]routing.Endpoint, 0, len(workers))
+	for _, w := range workers {
+		eps = append(eps, routing.Endpoint{
+			Key: routing.EndpointKey(w.Addr()), Models: []routing.ModelName{demoModel}, Engine: "vllm",
+			BlockSize: demoBlockSize, MaxBatchedTokens: w.Config().Worker.MaxBatchedTokens, KVEvents: w.KVEventsAddr(),
+		})
+	}
+	cfgJSON, err := json.Marshal(map[string]any{"endpoints": eps})
+	if err != nil {
+		return so, err
+	}
+	if err := os.WriteFile(cfgPath, cfgJSON, 0o600); err != nil {
+		return so, err
+	}
 	so.AddFlags(flag.NewFlagSet("serve", flag.ContinueOnError)) // serve's defaults
 	so.ConfigPath, so.Policy, so.Seed = cfgPath, o.Policy, o.Seed
 	so.GRPCAddr, so.HealthAddr, so.MetricsAddr, so.HTTPAddr = o.GRPCAddr, o.HealthAddr, o.MetricsAddr, o.HTTPAddr
 	so.ScrapeInterval, so.DrainTimeout, so.StopGrace = 250*time.Millisecond, 2*time.Second, time.Second
 	so.LogLevel = o.LogLevel
-	if err := so.Validate(); err != nil {
-		return err
-	}
+	return so, so.Validate()
+}
+
+// bindDemoListeners binds the proxy, ext_proc, health and metrics
+// listeners; on an error it closes the ones bound.
+func bindDemoListeners(o DemoOptions) (*Listeners, error) {
 	var ls Listeners
 	var bound []net.Listener
 	for _, b := range []struct {
@@ -184,72 +228,93 @@ func Demo(ctx context.Context, o DemoOptions, stdout, stderr io.Writer) error {
 			for _, l := range bound {
 				l.Close()
 			}
-			return fmt.Errorf("%s: %w", b.flag, err)
+			return nil, fmt.Errorf("%s: %w", b.flag, err)
 		}
 		*b.l = l
 		bound = append(bound, l)
 	}
-	proxyURL := "http://" + ls.HTTP.Addr().String()
-	grpcAddr, metricsAddr := ls.GRPC.Addr().String(), ls.Metrics.Addr().String()
-	ready := make(chan struct{})
-	ls.Ready = func(string, string, string) { close(ready) }
-	serveCtx, stopServe := context.WithCancel(ctx)
-	defer stopServe()
-	served := make(chan error, 1)
-	go func() { served <- Serve(serveCtx, so, log, &ls) }()
-	stop := func() error {
-		stopServe()
-		return <-served
+	return &ls, nil
+}
+
+// demoServe is serve running in the background for the demo.
+type demoServe struct {
+	// ctx is serve's context, which cancel ends.
+	ctx    context.Context
+	cancel context.CancelFunc
+	served chan error
+	ready  chan struct{}
+
+	proxyURL, grpcAddr, metricsAddr string
+}
+
+// startDemoServe runs Serve on ls in the background.
+func startDemoServe(ctx context.Context, so ServeOptions, log *slog.Logger, ls *Listeners) *demoServe {
+	d := &demoServe{
+		served: make(chan error, 1), ready: make(chan struct{}),
+		proxyURL: "http://" + ls.HTTP.Addr().String(), grpcAddr: ls.GRPC.Addr().String(), metricsAddr: ls.Metrics.Addr().String(),
 	}
+	ls.Ready = func(string, string, string) { close(d.ready) }
+	d.ctx, d.cancel = context.WithCancel(ctx)
+	go func() { d.served <- Serve(d.ctx, so, log, ls) }()
+	return d
+}
+
+// stop stops serve and returns what Serve returned.
+func (d *demoServe) stop() error {
+	d.cancel()
+	return <-d.served
+}
+
+// waitReady waits until serve is serving. When it is not (serve failed,
+// or ctx ended and serve was stopped), it returns false and the error the
+// demo ends with.
+func (d *demoServe) waitReady(ctx context.Context) (bool, error) {
 	select {
-	case <-ready:
-	case err := <-served:
-		return err
+	case <-d.ready:
+		return true, nil
+	case err := <-d.served:
+		return false, err
 	case <-ctx.Done():
-		return stop()
+		return false, d.stop()
 	}
+}
 
-	fmt.Fprintf(stdout, "kvbandit demo: %d simulated vLLM workers (model %q, %d-token blocks, %gx real time), policy %s\n",
+// printFleet prints the workers and serve's addresses.
+func (d *demoServe) printFleet(w io.Writer, o DemoOptions, workers []*simworker.Server) {
+	fmt.Fprintf(w, "kvbandit demo: %d simulated vLLM workers (model %q, %d-token blocks, %gx real time), policy %s\n",
 		len(workers), demoModel, demoBlockSize, o.SpeedUp, o.Policy)
-	names := make(map[string]string, len(workers))
-	for i, w := range workers {
-		names[w.Addr()] = fmt.Sprintf("worker-%d", i+1)
-		fmt.Fprintf(stdout, "  worker-%d  http://%s  speed %.1f  kv events %s\n", i+1, w.Addr(), demoSpeeds[i], w.KVEventsAddr())
+	for i, wk := range workers {
+		fmt.Fprintf(w, "  worker-%d  http://%s  speed %.1f  kv events %s\n", i+1, wk.Addr(), demoSpeeds[i], wk.KVEventsAddr())
 	}
-	fmt.Fprintf(stdout, "  proxy     %s  (ext_proc %s, metrics http://%s/metrics)\n", proxyURL, grpcAddr, metricsAddr)
+	fmt.Fprintf(w, "  proxy     %s  (ext_proc %s, metrics http://%s/metrics)\n", d.proxyURL, d.grpcAddr, d.metricsAddr)
+}
 
-	if !o.NoBurst {
-		// Give the KV event subscribers and the first scrape a moment, so
-		// the burst starts on an exact, event-fed index.
-		select {
-		case <-time.After(300 * time.Millisecond):
-		case <-ctx.Done():
-			return stop()
-		}
-		fmt.Fprintf(stdout, "\nSending %d agent sessions x %d turns through the proxy (each turn resends the growing history, with x-prefix-id / x-prefix-total-requests)...\n", o.Sessions, o.Turns)
-		res := runBurst(serveCtx, proxyURL, o.Sessions, o.Turns)
-		if ctx.Err() != nil {
-			return stop()
-		}
-		printSummary(stdout, res, workers, names, o.SpeedUp)
-		ok := 0
-		for _, r := range res {
-			if r.err == nil {
-				ok++
-			}
-		}
-		if ok == 0 {
-			stop()
-			return fmt.Errorf("demo: every request of the burst failed: %w", res[0].err)
-		}
+// burst sends the agent sessions through the proxy and prints their
+// summary. It reports whether the demo ends here (ctx ended, or every
+// request failed), serve then being stopped, and with what error.
+func (d *demoServe) burst(ctx context.Context, w io.Writer, o DemoOptions, workers []*simworker.Server) (bool, error) {
+	// Give the KV event subscribers and the first scrape a moment, so
+	// the burst starts on an exact, event-fed index.
+	select {
+	case <-time.After(300 * time.Millisecond):
+	case <-ctx.Done():
+		return true, d.stop()
 	}
-	if o.ExitAfterBurst {
-		return stop()
+	fmt.Fprintf(w, "\nSending %d agent sessions x %d turns through the proxy (each turn resends the growing history, with x-prefix-id / x-prefix-total-requests)...\n", o.Sessions, o.Turns)
+	res := runBurst(d.ctx, d.proxyURL, o.Sessions, o.Turns)
+	if ctx.Err() != nil {
+		return true, d.stop()
 	}
-	printTryIt(stdout, proxyURL, grpcAddr, metricsAddr, workers)
-	<-ctx.Done()
-	fmt.Fprintln(stdout, "stopping")
-	return stop()
+	names := make(map[string]string, len(workers))
+	for i, wk := range workers {
+		names[wk.Addr()] = fmt.Sprintf("worker-%d", i+1)
+	}
+	printSummary(w, res, workers, names, o.SpeedUp)
+	if !slices.ContainsFunc(res, func(r turnResult) bool { return r.err == nil }) {
+		d.stop()
+		return true, fmt.Errorf("demo: every request of the burst failed: %w", res[0].err)
+	}
+	return false, nil
 }
 
 // demoSystemPrompt is shared by every session, like an agent's tool

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/envoy"
+	"github.com/kvbandit/kvbandit/internal/cmdline"
 )
 
 // runEnvoyConfig prints an Envoy bootstrap for the given workers, validated
@@ -25,7 +26,7 @@ func runEnvoyConfig(_ context.Context, args []string, stdout, stderr io.Writer) 
 	mode := fs.String("body-mode", "full-duplex", "request body mode: full-duplex | buffered")
 	maxBody := fs.Int64("max-body-bytes", envoy.DefaultMaxBodyBytes, "buffer limit for buffered mode (keep = serve --max-body-bytes)")
 	msgTimeout := fs.Duration("message-timeout", envoy.DefaultMessageTimeout, "ext_proc message_timeout (keep > serve --decision-timeout)")
-	if err := parseFlags(fs, args); err != nil {
+	if err := cmdline.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if *endpoints == "" {

@@ -13,6 +13,7 @@ import (
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/kvbandit/kvbandit/internal/cmdline"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
@@ -201,7 +202,7 @@ func runRegister(ctx context.Context, args []string, _, stderr io.Writer) error 
 		fmt.Fprintf(stderr, "Usage: %s\n\nWait until the worker answers 200 on --health-url, then keep its endpoint record at\n<prefix>/<pool>/endpoints/<id> in etcd under a lease until stopped (SIGTERM), and delete it.\n\nFlags:\n", registerUsage)
 		fs.PrintDefaults()
 	}
-	if err := parseFlags(fs, args); err != nil {
+	if err := cmdline.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvbandit/kvbandit/internal/cmdline"
 	"github.com/kvbandit/kvbandit/tokenizer/models"
 )
 
@@ -31,7 +32,7 @@ func runTokenize(ctx context.Context, args []string, stdin io.Reader, stdout, st
 	fs.SetOutput(stderr)
 	path := fs.String("tokenizer", "", "tokenizer.json or a model directory (required)")
 	chatMode := fs.Bool("chat", false, "stdin is an OpenAI chat completion request: render the model's chat template with the generation prompt, then tokenize")
-	if err := parseFlags(fs, args); err != nil {
+	if err := cmdline.ParseFlags(fs, args); err != nil {
 		return err
 	}
 	if *path == "" || fs.NArg() > 0 {

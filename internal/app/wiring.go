@@ -114,120 +114,170 @@ func newRoutingMetrics(reg prometheus.Registerer) *routingMetrics {
 // options and the config file.
 func buildEngine(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus.Registerer, clk clock.Clock) (*engineParts, error) {
 	parts := &engineParts{}
+	if err := parts.build(o, cfg, log, reg, clk); err != nil {
+		parts.close()
+		return nil, err
+	}
+	return parts, nil
+}
+
+// build fills p in, in order: the policy over the prefix store, the
+// decision log, the syncer, the engine with the hooks that feed them and
+// the metrics, then the syncer's start and the metrics collectors. On an
+// error, what was built is in p.closes.
+func (p *engineParts) build(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus.Registerer, clk clock.Clock) error {
 	rm := newRoutingMetrics(reg)
 	rnd := routing.NewRand(o.Seed)
+	if err := p.newPolicy(o.Policy, cfg, policy.Deps{Logger: log, Rand: rnd, Clock: clk, OnReward: func(v float64) { rm.rewards.Observe(v) }}); err != nil {
+		return err
+	}
+	dlog, err := p.openDecisionLog(cfg, log)
+	if err != nil {
+		return err
+	}
+	if p.sync, err = newSyncer(o, cfg, log, reg, p.pushKVEvents); err != nil {
+		return err
+	}
+	opts := cfg.engineOptions(o.Fallbacks)
+	opts.Admission.OnWait = func(d time.Duration) { rm.queueWait.Observe(d.Seconds()) }
+	gate, err := slo.New(slo.Config{})
+	if err != nil {
+		return err
+	}
+	disagg, err := pd.New(cfg.PD)
+	if err != nil {
+		return err
+	}
+	h := &engineHooks{metrics: rm, dlog: dlog, sync: p.sync, gate: gate, blockSize: float64(cfg.Router.BlockSize)}
+	eng, err := engine.New(p.policy, opts, engine.Deps{
+		Logger: log, Rand: rnd, Clock: clk, Gate: gate, PD: disagg,
+		OnDecision: h.onDecision, OnFirst: h.onFirst, OnTimings: h.onTimings, OnDone: h.onDone,
+	})
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	p.closes = append(p.closes, eng.Close)
+	p.engine = eng
+	if err := p.startSync(log); err != nil {
+		return err
+	}
+	reg.MustRegister(engine.NewCollector(eng), gate)
+	if kb, ok := p.policy.(*kvbandit.Policy); ok {
+		reg.MustRegister(posteriorCollector{kb})
+	}
+	if tp, ok := p.policy.(*thompson.Policy); ok {
+		reg.MustRegister(thompsonCollector{tp})
+	}
+	return nil
+}
+
+// newPolicy makes the named policy, with deps completed by the prefix
+// store it shares and the config's policy sections.
+func (p *engineParts) newPolicy(name string, cfg *FileConfig, deps policy.Deps) error {
 	// The reference router never expires prefix state; thompson's compat
 	// switch asks for that behaviour from the shared store too.
 	th := cfg.Config.Thompson
 	noExpiry := th.ReferenceCompat || th.Compat.NoPrefixExpiry
-	store, err := prefixstate.New(prefixstate.Config{TTL: secs(cfg.PrefixState.TTLSecs), MaxEntries: cfg.PrefixState.MaxEntries, NoExpiry: noExpiry}, clk)
+	store, err := prefixstate.New(prefixstate.Config{TTL: secs(cfg.PrefixState.TTLSecs), MaxEntries: cfg.PrefixState.MaxEntries, NoExpiry: noExpiry}, deps.Clock)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	parts.closes = append(parts.closes, store.Close)
+	p.closes = append(p.closes, store.Close)
 	polCfg := cfg.Config
-	deps := policy.Deps{Logger: log, Rand: rnd, Clock: clk, Config: &polCfg, Prefixes: store, OnReward: func(v float64) { rm.rewards.Observe(v) }}
-	pol, err := policy.Builtin().New(o.Policy, deps)
+	deps.Config, deps.Prefixes = &polCfg, store
+	pol, err := policy.Builtin().New(name, deps)
 	if err != nil {
-		parts.close()
-		return nil, fmt.Errorf("%w: --policy: %w", ErrUsage, err)
+		return fmt.Errorf("%w: --policy: %w", ErrUsage, err)
 	}
 	if c, ok := pol.(interface{ Close() error }); ok {
-		parts.closes = append(parts.closes, func() { _ = c.Close() })
+		p.closes = append(p.closes, func() { _ = c.Close() })
 	}
-	parts.policy = pol
+	p.policy = pol
+	return nil
+}
+
+// openDecisionLog opens the decision log; nil when none is configured.
+func (p *engineParts) openDecisionLog(cfg *FileConfig, log *slog.Logger) (*decisionlog.Log, error) {
+	if cfg.DecisionLog.Path == "" {
+		return nil, nil
+	}
+	f, err := decisionlog.ParseFormat(cfg.DecisionLog.Format)
 	var dlog *decisionlog.Log
-	if cfg.DecisionLog.Path != "" {
-		f, err := decisionlog.ParseFormat(cfg.DecisionLog.Format)
-		if err == nil {
-			dlog, err = decisionlog.Open(cfg.DecisionLog.Path, f, decisionlog.Options{MaxBytes: cfg.DecisionLog.MaxBytes, Logger: log})
-		}
-		if err != nil {
-			parts.close()
-			return nil, fmt.Errorf("decision log: %w", err)
-		}
-		parts.closes = append(parts.closes, func() { _ = dlog.Close() })
+	if err == nil {
+		dlog, err = decisionlog.Open(cfg.DecisionLog.Path, f, decisionlog.Options{MaxBytes: cfg.DecisionLog.MaxBytes, Logger: log})
 	}
-	sy, err := newSyncer(o, cfg, log, reg, parts.pushKVEvents)
 	if err != nil {
-		parts.close()
-		return nil, err
+		return nil, fmt.Errorf("decision log: %w", err)
 	}
-	parts.sync = sy
-	opts := cfg.engineOptions(o.Fallbacks)
-	opts.Admission.OnWait = func(d time.Duration) { rm.queueWait.Observe(d.Seconds()) }
-	bs := float64(cfg.Router.BlockSize)
-	gate, err := slo.New(slo.Config{})
-	if err != nil {
-		parts.close()
-		return nil, err
+	p.closes = append(p.closes, func() { _ = dlog.Close() })
+	return dlog, nil
+}
+
+// startSync starts sharing state with the pool's other replicas, when
+// there are any.
+func (p *engineParts) startSync(log *slog.Logger) error {
+	sy := p.sync
+	if sy == nil {
+		return nil
 	}
-	disagg, err := pd.New(cfg.PD)
-	if err != nil {
-		parts.close()
-		return nil, err
+	// Closed before the engine (closes run in reverse): a peer's
+	// decision applied after the engine's Close would panic.
+	p.closes = append(p.closes, func() { _ = sy.Close() })
+	if err := sy.Start(p.engine); err != nil {
+		return fmt.Errorf("%w: sync: %w", ErrUsage, err)
 	}
-	eng, err := engine.New(pol, opts, engine.Deps{
-		Logger: log, Rand: rnd, Clock: clk, Gate: gate, PD: disagg,
-		OnDecision: func(req *routing.Request, d *routing.Decision) {
-			rm.overlap.Observe(float64(d.Overlap))
-			if d.Session != routing.SessionUntracked {
-				rm.outcomes.WithLabelValues(d.Session.String()).Inc()
-			}
-			if dlog != nil {
-				dlog.Record(record(req, d))
-			}
-			if sy != nil {
-				sy.OnDecision(req, d)
-			}
-		},
-		OnFirst: func(d *routing.Decision) {
-			if sy != nil {
-				sy.OnFirst(d)
-			}
-		},
-		OnTimings: func(tm engine.Timings) {
-			rm.phHash.Observe(tm.Hash.Seconds())
-			rm.hashedBlocks.Add(float64(tm.HashedBlocks))
-			rm.phLookup.Observe(tm.Lookup.Seconds())
-			rm.phScore.Observe(tm.Score.Seconds())
-			rm.phTotal.Observe(tm.Total.Seconds())
-		},
-		OnDone: func(d *routing.Decision, out routing.Outcome) {
-			if out.CachedTokens >= 0 && out.Kind == routing.OutcomeSuccess {
-				rm.cachedPred.Add(float64(d.Overlap) * bs)
-				rm.cachedReported.Add(float64(out.CachedTokens))
-			}
-			gate.Observe(d, out)
-			if sy != nil {
-				sy.OnDone(d, out)
-			}
-		},
-	})
-	if err != nil {
-		parts.close()
-		return nil, fmt.Errorf("%w: %w", ErrUsage, err)
+	log.Info("active-active replicas: sharing state over NATS", "replica", sy.Status().Replica, "pool", sy.Status().Pool, "subject", sy.Subject())
+	return nil
+}
+
+// engineHooks are the engine's decision hooks: they feed the routing
+// metrics, the decision log, the SLO gate and the syncer (dlog and sync
+// may be nil).
+type engineHooks struct {
+	metrics   *routingMetrics
+	dlog      *decisionlog.Log
+	sync      *rsync.Syncer
+	gate      *slo.Gate
+	blockSize float64
+}
+
+func (h *engineHooks) onDecision(req *routing.Request, d *routing.Decision) {
+	h.metrics.overlap.Observe(float64(d.Overlap))
+	if d.Session != routing.SessionUntracked {
+		h.metrics.outcomes.WithLabelValues(d.Session.String()).Inc()
 	}
-	parts.closes = append(parts.closes, eng.Close)
-	parts.engine = eng
-	if sy != nil {
-		// Closed before the engine (closes run in reverse): a peer's
-		// decision applied after the engine's Close would panic.
-		parts.closes = append(parts.closes, func() { _ = sy.Close() })
-		if err := sy.Start(eng); err != nil {
-			parts.close()
-			return nil, fmt.Errorf("%w: sync: %w", ErrUsage, err)
-		}
-		log.Info("active-active replicas: sharing state over NATS", "replica", sy.Status().Replica, "pool", sy.Status().Pool, "subject", sy.Subject())
+	if h.dlog != nil {
+		h.dlog.Record(record(req, d))
 	}
-	reg.MustRegister(engine.NewCollector(eng), gate)
-	if kb, ok := pol.(*kvbandit.Policy); ok {
-		reg.MustRegister(posteriorCollector{kb})
+	if h.sync != nil {
+		h.sync.OnDecision(req, d)
 	}
-	if tp, ok := pol.(*thompson.Policy); ok {
-		reg.MustRegister(thompsonCollector{tp})
+}
+
+func (h *engineHooks) onFirst(d *routing.Decision) {
+	if h.sync != nil {
+		h.sync.OnFirst(d)
 	}
-	return parts, nil
+}
+
+func (h *engineHooks) onTimings(tm engine.Timings) {
+	rm := h.metrics
+	rm.phHash.Observe(tm.Hash.Seconds())
+	rm.hashedBlocks.Add(float64(tm.HashedBlocks))
+	rm.phLookup.Observe(tm.Lookup.Seconds())
+	rm.phScore.Observe(tm.Score.Seconds())
+	rm.phTotal.Observe(tm.Total.Seconds())
+}
+
+func (h *engineHooks) onDone(d *routing.Decision, out routing.Outcome) {
+	if out.CachedTokens >= 0 && out.Kind == routing.OutcomeSuccess {
+		h.metrics.cachedPred.Add(float64(d.Overlap) * h.blockSize)
+		h.metrics.cachedReported.Add(float64(out.CachedTokens))
+	}
+	h.gate.Observe(d, out)
+	if h.sync != nil {
+		h.sync.OnDone(d, out)
+	}
 }
 
 // newSyncer makes the routing/sync Syncer when NATS servers are given

@@ -1,7 +1,8 @@
-package app
+package benchcmd
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -10,7 +11,38 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"go.uber.org/goleak"
+
+	"github.com/kvbandit/kvbandit/internal/cmdline"
 )
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// run runs `kvbandit bench` with args (the flags after the command name)
+// and returns its stdout and stderr.
+func run(t *testing.T, args ...string) (string, string, error) {
+	t.Helper()
+	var out, errw bytes.Buffer
+	err := Run(t.Context(), args, &out, &errw, nil)
+	return out.String(), errw.String(), err
+}
+
+// TestConfigLoader: --config goes through the caller's loader, and a file
+// it refuses is a usage error naming the flag.
+func TestConfigLoader(t *testing.T) {
+	t.Parallel()
+	var got string
+	load := func(path string) (ConfigFile, error) {
+		got = path
+		return ConfigFile{}, errors.New("bad file")
+	}
+	var out, errw bytes.Buffer
+	err := Run(t.Context(), []string{"--format", "agentic", "--config", "serve.yaml"}, &out, &errw, load)
+	if got != "serve.yaml" || !errors.Is(err, cmdline.ErrUsage) || !strings.Contains(err.Error(), "--config: bad file") {
+		t.Fatalf("loader got %q, err %v", got, err)
+	}
+}
 
 // writeMooncake writes a small Mooncake trace: n requests, every one
 // sharing a first block, pairs sharing a second one.
@@ -36,7 +68,7 @@ func TestBenchMooncake(t *testing.T) {
 	path := writeMooncake(t, 60, "not json")
 	dir := t.TempDir()
 	jsonOut, png := filepath.Join(dir, "out.json"), filepath.Join(dir, "ttft.png")
-	out, errOut, err := run(t, "bench", "--trace", path, "--format", "mooncake", "--workers", "3",
+	out, errOut, err := run(t, "--trace", path, "--format", "mooncake", "--workers", "3",
 		"--policy", "round_robin,kv,kvbandit,no_such_policy", "--speed-factors", "1,1,0.5", "--rate-scale", "2",
 		"--kv-blocks", "256", "--json", jsonOut, "--plot", png)
 	if err != nil {
@@ -52,14 +84,7 @@ func TestBenchMooncake(t *testing.T) {
 			t.Errorf("stderr lacks %q:\n%s", want, errOut)
 		}
 	}
-	var rep benchReport
-	b, err := os.ReadFile(jsonOut)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := json.Unmarshal(b, &rep); err != nil {
-		t.Fatal(err)
-	}
+	rep := readReport(t, jsonOut)
 	if rep.Requests != 60 || len(rep.Policies) != 3 || rep.Bounds.Infinite <= 0 || rep.Bounds.Finite > rep.Bounds.Infinite {
 		t.Fatalf("report %+v", rep)
 	}
@@ -77,7 +102,7 @@ func TestBenchMooncake(t *testing.T) {
 
 func TestBenchAgentic(t *testing.T) {
 	t.Parallel()
-	out, errOut, err := run(t, "bench", "--format", "agentic", "--workers", "4", "--policy", "round_robin,kvbandit",
+	out, errOut, err := run(t, "--format", "agentic", "--workers", "4", "--policy", "round_robin,kvbandit",
 		"--sessions", "12", "--turns", "4", "--session-rate", "4", "--think-time", "2s", "--input-len", "100", "--output-len", "20")
 	if err != nil {
 		t.Fatalf("%v\n%s", err, errOut)
@@ -94,7 +119,7 @@ func TestBenchAzure(t *testing.T) {
 	if err := os.WriteFile(path, []byte(csv), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	out, errOut, err := run(t, "bench", "--trace", path, "--format", "azure", "--workers", "2", "--policy", "least_loaded")
+	out, errOut, err := run(t, "--trace", path, "--format", "azure", "--workers", "2", "--policy", "least_loaded")
 	if err != nil {
 		t.Fatalf("%v\n%s", err, errOut)
 	}
@@ -147,9 +172,9 @@ func TestBenchUsageErrors(t *testing.T) {
 		{[]string{"--trace", good, "--speed-schedule", "20s:1:0.5,10s:1:1"}, true, "in order"},
 		{[]string{"--trace", good, "--speed-schedule", "soon:1:0.5"}, true, "not a duration"},
 	} {
-		_, errOut, err := run(t, append([]string{"bench", "--policy", "round_robin"}, c.args...)...)
-		if err == nil || errors.Is(err, ErrUsage) != c.usage || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("%q: err %v (usage %v), want %q\n%s", c.args, err, errors.Is(err, ErrUsage), c.want, errOut)
+		_, errOut, err := run(t, append([]string{"--policy", "round_robin"}, c.args...)...)
+		if err == nil || errors.Is(err, cmdline.ErrUsage) != c.usage || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%q: err %v (usage %v), want %q\n%s", c.args, err, errors.Is(err, cmdline.ErrUsage), c.want, errOut)
 		}
 	}
 }
@@ -180,16 +205,12 @@ func TestBenchRealMooncake(t *testing.T) {
 		t.Fatal(err)
 	}
 	jsonOut := filepath.Join(t.TempDir(), "out.json")
-	out, errOut, err := run(t, "bench", "--trace", path, "--format", "mooncake", "--json", jsonOut)
+	out, errOut, err := run(t, "--trace", path, "--format", "mooncake", "--json", jsonOut)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, errOut)
 	}
 	t.Log("\n" + out)
-	var rep benchReport
-	b, _ := os.ReadFile(jsonOut)
-	if err := json.Unmarshal(b, &rep); err != nil {
-		t.Fatal(err)
-	}
+	rep := readReport(t, jsonOut)
 	if rep.Requests != 500 || len(rep.Policies) < 6 {
 		t.Fatalf("%d requests, %d policies", rep.Requests, len(rep.Policies))
 	}
@@ -206,15 +227,9 @@ func TestBenchRealMooncake(t *testing.T) {
 	}
 }
 
-// benchJSON runs bench with args and returns its --json report with the
-// wall-clock fields zeroed.
-func benchJSON(t *testing.T, args ...string) (benchReport, string) {
+// readReport reads the --json report bench wrote to path.
+func readReport(t *testing.T, path string) benchReport {
 	t.Helper()
-	path := filepath.Join(t.TempDir(), "out.json")
-	out, errOut, err := run(t, append(append([]string{"bench"}, args...), "--json", path)...)
-	if err != nil {
-		t.Fatalf("%v\n%s", err, errOut)
-	}
 	b, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
@@ -223,6 +238,19 @@ func benchJSON(t *testing.T, args ...string) (benchReport, string) {
 	if err := json.Unmarshal(b, &rep); err != nil {
 		t.Fatal(err)
 	}
+	return rep
+}
+
+// benchJSON runs bench with args and returns its --json report with the
+// wall-clock fields zeroed.
+func benchJSON(t *testing.T, args ...string) (benchReport, string) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "out.json")
+	out, errOut, err := run(t, append(args[:len(args):len(args)], "--json", path)...)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errOut)
+	}
+	rep := readReport(t, path)
 	for i := range rep.Policies {
 		rep.Policies[i].WallSec, rep.Policies[i].DecisionsSec = 0, 0
 	}

@@ -1,14 +1,13 @@
-package app
+package benchcmd
 
 import (
-	"encoding/json"
 	"errors"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvbandit/kvbandit/internal/cmdline"
 	"github.com/kvbandit/kvbandit/routing/sim"
 )
 
@@ -25,7 +24,7 @@ func TestBenchObjectives(t *testing.T) {
 		{"10m", 1, 1},   // every served request meets it
 		{"300ms", 0, 1}, // somewhere in between
 	} {
-		out, errOut, err := run(t, "bench", "--trace", path, "--workers", "3", "--policy", "round_robin,kv",
+		out, errOut, err := run(t, "--trace", path, "--workers", "3", "--policy", "round_robin,kv",
 			"--kv-blocks", "256", "--rate-scale", "2", "--objective-ttft", c.ttft, "--objective-share", "0.5",
 			"--objective-priority", "2", "--json", jsonOut)
 		if err != nil {
@@ -34,14 +33,7 @@ func TestBenchObjectives(t *testing.T) {
 		if !strings.Contains(out, "SLO met") || !strings.Contains(out, "others p90") {
 			t.Fatalf("no objective columns:\n%s", out)
 		}
-		var rep benchReport
-		b, err := os.ReadFile(jsonOut)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := json.Unmarshal(b, &rep); err != nil {
-			t.Fatal(err)
-		}
+		rep := readReport(t, jsonOut)
 		for _, p := range rep.Policies {
 			o := p.Objective
 			if o == nil || o.Requests < 15 || o.Requests > 45 || o.Met < c.metLow || o.Met > c.metHigh || o.Shed != 0 || o.OthersP90 <= 0 {
@@ -91,8 +83,8 @@ func TestBenchObjectiveUsageErrors(t *testing.T) {
 		{[]string{"--objective-ttft", "1s", "--objective-priority", "5000"}},
 		{[]string{"--objective-headroom", "1.5"}},
 	} {
-		_, _, err := run(t, append([]string{"bench", "--policy", "round_robin", "--trace", good}, c.args...)...)
-		if !errors.Is(err, ErrUsage) || !strings.Contains(err.Error(), "--objective") {
+		_, _, err := run(t, append([]string{"--policy", "round_robin", "--trace", good}, c.args...)...)
+		if !errors.Is(err, cmdline.ErrUsage) || !strings.Contains(err.Error(), "--objective") {
 			t.Errorf("%q: err %v, want a usage error naming the flag", c.args, err)
 		}
 	}

@@ -1,12 +1,12 @@
-package app
+package benchcmd
 
 import (
-	"encoding/json"
 	"errors"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvbandit/kvbandit/internal/cmdline"
 )
 
 func TestBenchPDUsageErrors(t *testing.T) {
@@ -26,9 +26,9 @@ func TestBenchPDUsageErrors(t *testing.T) {
 		{[]string{"--prefill-workers", "1", "--kv-transfer-latency", "-1ms"}, "--kv-transfer-latency"},
 		{[]string{"--prefill-workers", "1", "--kv-bytes-per-token", "0"}, "--kv-bytes-per-token"},
 	} {
-		_, errOut, err := run(t, append([]string{"bench", "--policy", "round_robin", "--trace", good}, c.args...)...)
-		if err == nil || !errors.Is(err, ErrUsage) || !strings.Contains(err.Error()+errOut, c.want) {
-			t.Errorf("%q: err %v (usage %v), want %q\n%s", c.args, err, errors.Is(err, ErrUsage), c.want, errOut)
+		_, errOut, err := run(t, append([]string{"--policy", "round_robin", "--trace", good}, c.args...)...)
+		if err == nil || !errors.Is(err, cmdline.ErrUsage) || !strings.Contains(err.Error()+errOut, c.want) {
+			t.Errorf("%q: err %v (usage %v), want %q\n%s", c.args, err, errors.Is(err, cmdline.ErrUsage), c.want, errOut)
 		}
 	}
 }
@@ -41,7 +41,7 @@ func TestBenchPDRows(t *testing.T) {
 	t.Parallel()
 	path := writeMooncake(t, 60)
 	jsonOut := filepath.Join(t.TempDir(), "out.json")
-	out, errOut, err := run(t, "bench", "--trace", path, "--workers", "4", "--prefill-workers", "1", "--policy", "kvbandit",
+	out, errOut, err := run(t, "--trace", path, "--workers", "4", "--prefill-workers", "1", "--policy", "kvbandit",
 		"--pd-threshold-tokens", "1300", "--kv-blocks", "256", "--json", jsonOut, "--quiet")
 	if err != nil {
 		t.Fatalf("%v\n%s", err, errOut)
@@ -51,14 +51,7 @@ func TestBenchPDRows(t *testing.T) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}
 	}
-	var rep benchReport
-	b, err := os.ReadFile(jsonOut)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := json.Unmarshal(b, &rep); err != nil {
-		t.Fatal(err)
-	}
+	rep := readReport(t, jsonOut)
 	if len(rep.Policies) != 3 || rep.PrefillWorkers != 1 || rep.PDThresholdTokens != 1300 {
 		t.Fatalf("report %+v", rep)
 	}

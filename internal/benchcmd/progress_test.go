@@ -1,4 +1,4 @@
-package app
+package benchcmd
 
 import (
 	"bytes"
@@ -10,7 +10,7 @@ import (
 	"time"
 )
 
-var agenticSmall = []string{"bench", "--format", "agentic", "--workers", "2", "--policy", "round_robin,kvbandit",
+var agenticSmall = []string{"--format", "agentic", "--workers", "2", "--policy", "round_robin,kvbandit",
 	"--sessions", "40", "--turns", "8", "--session-rate", "20", "--think-time", "1s", "--input-len", "50", "--output-len", "8"}
 
 // TestBenchProgressOffUnlessTerminal: the test's stderr is no terminal, so
@@ -27,7 +27,7 @@ func TestBenchProgressOffUnlessTerminal(t *testing.T) {
 		t.Fatal("a file or a buffer taken for a terminal")
 	}
 	var out bytes.Buffer
-	if err := Run(t.Context(), agenticSmall, &out, f); err != nil {
+	if err := Run(t.Context(), agenticSmall, &out, f, nil); err != nil {
 		t.Fatal(err)
 	}
 	if b, _ := os.ReadFile(f.Name()); len(b) != 0 {
@@ -96,7 +96,7 @@ func TestBenchHeaderBeforeRun(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	cancel()
 	var out, errOut bytes.Buffer
-	err := Run(ctx, agenticSmall, &out, &errOut)
+	err := Run(ctx, agenticSmall, &out, &errOut, nil)
 	if err == nil || !strings.HasPrefix(out.String(), "trace agentic: 40 sessions") || strings.Contains(out.String(), "TTFT p50") {
 		t.Fatalf("err %v, stdout:\n%s", err, out.String())
 	}

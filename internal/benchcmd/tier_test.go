@@ -1,13 +1,14 @@
-package app
+package benchcmd
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvbandit/kvbandit/internal/cmdline"
 )
 
 // TestBenchCPUTier: --cpu-blocks gives every worker a CPU tier; the table
@@ -31,20 +32,13 @@ func TestBenchCPUTier(t *testing.T) {
 	}
 	bench := func(name string, extra ...string) (string, benchReport) {
 		out := filepath.Join(dir, name+".json")
-		args := append([]string{"bench", "--trace", path, "--workers", "2", "--policy", "kv,weighted", "--rate-scale", "2",
+		args := append([]string{"--trace", path, "--workers", "2", "--policy", "kv,weighted", "--rate-scale", "2",
 			"--kv-blocks", "40", "--json", out}, extra...)
 		stdout, errOut, err := run(t, args...)
 		if err != nil {
 			t.Fatalf("%v\n%s", err, errOut)
 		}
-		var rep benchReport
-		b, err := os.ReadFile(out)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := json.Unmarshal(b, &rep); err != nil {
-			t.Fatal(err)
-		}
+		rep := readReport(t, out)
 		return stdout, rep
 	}
 	offOut, off := bench("off")
@@ -70,8 +64,8 @@ func TestBenchCPUTier(t *testing.T) {
 		{[]string{"--cpu-blocks", "10", "--cpu-reload-bandwidth", "0"}},
 		{[]string{"--cpu-reload-bandwidth", "-3"}},
 	} {
-		_, _, err := run(t, append([]string{"bench", "--trace", path, "--policy", "kv"}, c.args...)...)
-		if err == nil || !errors.Is(err, ErrUsage) || !strings.Contains(err.Error(), "--cpu-") {
+		_, _, err := run(t, append([]string{"--trace", path, "--policy", "kv"}, c.args...)...)
+		if err == nil || !errors.Is(err, cmdline.ErrUsage) || !strings.Contains(err.Error(), "--cpu-") {
 			t.Errorf("%q: err %v, want a usage error naming the flag", c.args, err)
 		}
 	}

@@ -1,8 +1,6 @@
-package app
+package benchcmd
 
 import (
-	"encoding/json"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -52,7 +50,7 @@ func TestBenchPredErrAndSchedule(t *testing.T) {
 	t.Parallel()
 	path := writeMooncake(t, 80)
 	jsonOut := filepath.Join(t.TempDir(), "out.json")
-	out, errOut, err := run(t, "bench", "--trace", path, "--workers", "3", "--policy", "kv,kvbandit_blocks,kvbandit",
+	out, errOut, err := run(t, "--trace", path, "--workers", "3", "--policy", "kv,kvbandit_blocks,kvbandit",
 		"--rate-scale", "2", "--kv-blocks", "256", "--speed-schedule", "1s:1:0.5,3s:1:1", "--json", jsonOut)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, errOut)
@@ -62,14 +60,7 @@ func TestBenchPredErrAndSchedule(t *testing.T) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}
 	}
-	var rep benchReport
-	b, err := os.ReadFile(jsonOut)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := json.Unmarshal(b, &rep); err != nil {
-		t.Fatal(err)
-	}
+	rep := readReport(t, jsonOut)
 	for _, p := range rep.Policies {
 		if predicts := p.Policy != "kv"; p.Predicts != predicts || (predicts && !(p.PredErr > 0 && p.PredErr < 10)) {
 			t.Errorf("%s: predicts %v, pred err %v", p.Policy, p.Predicts, p.PredErr)
