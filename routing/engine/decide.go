@@ -26,10 +26,9 @@ type pass struct {
 	// rank state.
 	info []candInfo
 	// spaces are the request's key spaces, one per block size among the
-	// candidates (almost always one; more spill to the heap).
-	spaceBuf [2]keySpace
-	spaces   []keySpace
-	seed     uint64
+	// candidates (almost always one), in the pooled scratch.
+	spaces []keySpace
+	seed   uint64
 	// pre and preInfo are the prefill candidates of a pool with
 	// prefill-role endpoints (nil otherwise).
 	pre     *routing.Scoring
@@ -61,13 +60,17 @@ type scratch struct {
 	index      []kvindex.Match
 	candidates []routing.Candidate
 	info       []candInfo
+	spaces     []keySpace
 }
 
-// release clears the first n candidates and their infos (so a pooled
-// buffer keeps no endpoint state alive) and returns sb to the pool.
-func (e *Engine) release(sb *scratch, n int) {
+// release clears the first n candidates, their infos and the key spaces
+// p used (so a pooled buffer keeps no endpoint state or keys alive) and
+// returns sb to the pool.
+func (e *Engine) release(sb *scratch, p *pass, n int) {
 	clear(sb.candidates[:n])
 	clear(sb.info[:n])
+	clear(p.spaces)
+	sb.spaces = p.spaces[:0]
 	e.bufs.Put(sb)
 }
 
@@ -85,10 +88,9 @@ func (e *Engine) decide(req *routing.Request, commit bool) (*routing.Decision, e
 	}
 	sb := e.bufs.Get().(*scratch)
 	sb.candidates, sb.info = slices.Grow(sb.candidates[:0], n), slices.Grow(sb.info[:0], n)
-	defer e.release(sb, n)
-	p := &pass{req: req, commit: commit, info: sb.info, seed: kvindex.Seed(req.LoRA, req.CacheSalt), timed: commit && e.deps.OnTimings != nil}
+	p := &pass{req: req, commit: commit, info: sb.info, spaces: sb.spaces[:0], seed: kvindex.Seed(req.LoRA, req.CacheSalt), timed: commit && e.deps.OnTimings != nil}
+	defer e.release(sb, p, n)
 	p.sc = &routing.Scoring{Req: req, ISL: req.TokenCount, Rand: e.rnd, Now: now, Candidates: sb.candidates, WantRanked: e.opts.Fallbacks > 0, WantPredicted: !commit, TierWeights: e.opts.TierWeights}
-	p.spaces = p.spaceBuf[:0]
 	if p.timed {
 		p.t0 = time.Now()
 	}
