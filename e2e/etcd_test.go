@@ -19,10 +19,10 @@ import (
 
 	"github.com/kvbandit/kvbandit/e2e/envoysim"
 	"github.com/kvbandit/kvbandit/e2e/worker"
+	"github.com/kvbandit/kvbandit/internal/testenv/etcdenv"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/etcd"
-	"github.com/kvbandit/kvbandit/routing/discovery/etcd/etcdtest"
 	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy"
 )
@@ -140,7 +140,7 @@ func sendAll(t *testing.T, c *http.Client, px *envoysim.Proxy, n int) map[string
 // continues on the last set, readiness stays SERVING, the degraded metric
 // says so) and recovery without a restart.
 func TestEtcdDiscoveryEndToEnd(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	_, addrs := startWorkers(t, 3, worker.Config{})
 	k := startKvbandit(t, nil, "--etcd-endpoints", srv.Addr(), "--scrape-interval", "0")
 	k.endpoints = addrs
@@ -217,7 +217,7 @@ func TestEtcdDiscoveryEndToEnd(t *testing.T) {
 // reach a new engine snapshot on loopback (real etcd, the etcd source, the
 // hub and a real engine); reported, not asserted.
 func TestEtcdDiscoveryLatency(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	rnd := routing.NewRand(1)
 	p, err := policy.Builtin().New("round_robin", policy.Deps{Rand: rnd})
 	if err != nil {

@@ -25,7 +25,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/e2e/extprocload"
 	"github.com/kvbandit/kvbandit/e2e/worker"
-	"github.com/kvbandit/kvbandit/gateway-api/kubetest"
+	"github.com/kvbandit/kvbandit/internal/testenv/kubeenv"
 	"github.com/kvbandit/kvbandit/tokenizer/tokenizertest"
 )
 
@@ -150,7 +150,7 @@ func TestBenchVsGIE(t *testing.T) {
 		fmt.Sscan(v, &rounds)
 	}
 	cases := benchCases(t)
-	c := kubetest.Start(t)
+	c := kubeenv.Start(t)
 	const ns, pool = "default", "sim-pool"
 	var ips []string
 	for i := range 4 {

@@ -66,7 +66,7 @@ func TestMain(m *testing.M) {
 		// go-zeromq v0.17.0's PUB writer (the simulated workers' KV events)
 		// can outlive Close: an upstream bug, see routing/kvevents.
 		goleak.IgnoreAnyFunction("github.com/go-zeromq/zmq4.(*pubMWriter).run"),
-		// client-go (kubetest) starts klog's flush daemon at import.
+		// client-go (kubeenv) starts klog's flush daemon at import.
 		goleak.IgnoreTopFunction("k8s.io/klog/v2.(*flushDaemon).run.func1"),
 	)
 }
@@ -103,8 +103,8 @@ func outside() int {
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		return 1
 	}
-	// kubetest (the Kubernetes suites) and natstest (the replicas suite)
-	// read KVBANDIT_<TOOL>, kubetest also KVBANDIT_GIE_CRDS: nothing is
+	// kubeenv (the Kubernetes suites) and natsenv (the replicas suite)
+	// read KVBANDIT_<TOOL>, kubeenv also KVBANDIT_GIE_CRDS: nothing is
 	// downloaded inside the namespace.
 	env := []string{envInNetns + "=1", envKvbandit + "=" + bin, envEtcd + "=" + paths[0], envSim + "=" + paths[1],
 		"KVBANDIT_ETCD=" + paths[0], "KVBANDIT_KUBE_APISERVER=" + paths[2], "KVBANDIT_NATS_SERVER=" + paths[3], "KVBANDIT_GIE_CRDS=" + crds, envSidecar + "=" + paths[4]}

@@ -12,8 +12,8 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
 	"github.com/kvbandit/kvbandit/e2e/envoysim"
-	"github.com/kvbandit/kvbandit/gateway-api/kubetest"
 	"github.com/kvbandit/kvbandit/internal/simworker"
+	"github.com/kvbandit/kvbandit/internal/testenv/kubeenv"
 	"github.com/kvbandit/kvbandit/routing/discovery/kube"
 	simmodel "github.com/kvbandit/kvbandit/routing/sim"
 )
@@ -24,7 +24,7 @@ import (
 // their KV events are subscribed from the Pods' annotations; a Pod deleted
 // or made not-ready leaves the endpoint set and gets no more requests.
 func TestKubeInferencePoolEndToEnd(t *testing.T) {
-	c := kubetest.Start(t)
+	c := kubeenv.Start(t)
 	const ns, pool, port = "default", "sim-pool", 18000
 	var hosts []string
 	for i := range 3 {

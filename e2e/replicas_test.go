@@ -19,7 +19,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/e2e/envoysim"
 	"github.com/kvbandit/kvbandit/e2e/worker"
-	"github.com/kvbandit/kvbandit/routing/sync/natstest"
+	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 )
 
 // The active-active suite (issue 12): three real `kvbandit serve` replicas
@@ -37,7 +37,7 @@ const (
 
 // replicaFleet is the suite's deployment.
 type replicaFleet struct {
-	nats    *natstest.Server
+	nats    *natsenv.Server
 	ws      []*worker.Worker
 	addrs   []string
 	reps    []*kvb
@@ -49,7 +49,7 @@ type replicaFleet struct {
 
 func startReplicaFleet(t *testing.T, policy string) *replicaFleet {
 	t.Helper()
-	f := &replicaFleet{nats: natstest.Start(t, natstest.Options{}), c: httpClient(t), rng: rand.New(rand.NewPCG(12, 1))}
+	f := &replicaFleet{nats: natsenv.Start(t, natsenv.Options{}), c: httpClient(t), rng: rand.New(rand.NewPCG(12, 1))}
 	// 20 ms per token: a 50-token request is in flight for a second.
 	f.ws, f.addrs = startWorkers(t, 4, worker.Config{TokenDelay: 20 * time.Millisecond})
 	cfg := filepath.Join(t.TempDir(), "kvbandit.yaml")

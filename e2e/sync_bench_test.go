@@ -21,7 +21,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/e2e/extprocload"
 	"github.com/kvbandit/kvbandit/e2e/worker"
-	"github.com/kvbandit/kvbandit/routing/sync/natstest"
+	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 )
 
 const envSyncFastBin = "KVBANDIT_E2E_SYNC_FAST_BIN"
@@ -116,7 +116,7 @@ func TestBenchSyncCPU(t *testing.T) {
 		fmt.Sscan(v, &secs)
 	}
 	_, addrs := startWorkers(t, 4, worker.Config{})
-	nats := natstest.Start(t, natstest.Options{})
+	nats := natsenv.Start(t, natsenv.Options{})
 	off := startFastPicker(t, addrs)
 	on := startFastPicker(t, addrs, "--sync-nats", nats.URL(), "--replica-id", "bench-on")
 	startFastPicker(t, addrs, "--sync-nats", nats.URL(), "--replica-id", "bench-peer")

@@ -1,7 +1,7 @@
 package gatewayapi_test
 
 // The Gateway API manifests and the Helm chart, validated by a real API server
-// (kubetest: kube-apiserver on etcd, with the GIE v1.5.0 CRDs and the Gateway
+// (kubeenv: kube-apiserver on etcd, with the GIE v1.5.0 CRDs and the Gateway
 // API HTTPRoute CRD installed) with server-side dry-run apply, and by real
 // helm (lint, template). Nothing is skipped: a missing binary fails the test.
 
@@ -30,8 +30,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 
-	"github.com/kvbandit/kvbandit/gateway-api/kubetest"
 	"github.com/kvbandit/kvbandit/internal/app"
+	"github.com/kvbandit/kvbandit/internal/testenv"
+	"github.com/kvbandit/kvbandit/internal/testenv/kubeenv"
 )
 
 const (
@@ -48,7 +49,7 @@ const (
 )
 
 func TestManifestsAndChart(t *testing.T) {
-	c := kubetest.Start(t)
+	c := kubeenv.Start(t)
 	c.CreateNamespace(t, testNS)
 	installGatewayAPICRDs(t, c)
 
@@ -86,7 +87,7 @@ func TestManifestsAndChart(t *testing.T) {
 		checkExamples(t, all)
 	})
 
-	helm := kubetest.Tool(t, "helm")
+	helm := testenv.Tool(t, "helm")
 	t.Run("helm lint", func(t *testing.T) {
 		run(t, helm, "lint", "--strict", chartDir)
 		run(t, helm, "lint", "--strict", chartDir, "--set", "replicas=2,tls.secretName=kvb-tls,tls.clientCASecretName=kvb-ca")
@@ -268,7 +269,7 @@ func TestManifestsAndChart(t *testing.T) {
 
 // installGatewayAPICRDs applies the standard HTTPRoute (and Gateway) CRDs from
 // the pinned Gateway API module and waits until an HTTPRoute can be applied.
-func installGatewayAPICRDs(t *testing.T, c *kubetest.Cluster) {
+func installGatewayAPICRDs(t *testing.T, c *kubeenv.Cluster) {
 	t.Helper()
 	cmd := exec.Command("go", "mod", "download", "-json", gatewayAPIModule)
 	cmd.Dir = t.TempDir()
@@ -363,7 +364,7 @@ func decode(t *testing.T, src string, raw []byte) []object {
 // serverDryRun applies every object with server-side apply, dryRun=All: the
 // API server validates and defaults (OpenAPI schemas, CEL rules of the CRDs,
 // RBAC escalation checks) but stores nothing.
-func serverDryRun(t *testing.T, c *kubetest.Cluster, objs []object) {
+func serverDryRun(t *testing.T, c *kubeenv.Cluster, objs []object) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -656,13 +657,13 @@ func checkPDExample(t *testing.T, objs []object, sel string) {
 
 // serveWithRenderedObjects proves the chart's Roles are enough: it applies
 // the rendered Roles and InferencePool for real, binds the Roles to the
-// kubetest user "kvbandit" (a token user stands in for the ServiceAccount),
+// kubeenv user "kvbandit" (a token user stands in for the ServiceAccount),
 // adds one ready Pod, and runs kvbandit serve in-process with the rendered
 // Deployment's args (ports moved to loopback, the rendered config file,
 // $(POD_NAMESPACE) expanded as the kubelet does). Readiness turns SERVING only
 // once discovery has synced and, with --leader-elect, this replica holds the
 // Lease: RBAC missing anywhere would keep it NOT_SERVING or stop serve.
-func serveWithRenderedObjects(t *testing.T, c *kubetest.Cluster, objs []object) {
+func serveWithRenderedObjects(t *testing.T, c *kubeenv.Cluster, objs []object) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	var bindings []string

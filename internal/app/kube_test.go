@@ -18,7 +18,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/e2e/worker"
 	"github.com/kvbandit/kvbandit/extproc/proxy"
-	"github.com/kvbandit/kvbandit/gateway-api/kubetest"
+	"github.com/kvbandit/kvbandit/internal/testenv/kubeenv"
 	"github.com/kvbandit/kvbandit/routing/discovery/kube"
 	"github.com/kvbandit/kvbandit/routing/discovery/kube/objectives"
 )
@@ -27,7 +27,7 @@ import (
 // real API server (as user kvbandit with a namespaced Role) and routes to
 // the Pod it selects; the user nobody gets a clear start-up error.
 func TestServeKubeDiscovery(t *testing.T) {
-	c := kubetest.Start(t)
+	c := kubeenv.Start(t)
 	const ns = "kvbandit-kube"
 	c.CreateNamespace(t, ns)
 	cs := c.Client(t)

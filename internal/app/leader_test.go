@@ -15,7 +15,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/kvbandit/kvbandit/gateway-api/kubetest"
+	"github.com/kvbandit/kvbandit/internal/testenv/kubeenv"
 )
 
 // TestServeLeaderElect runs two in-process serve replicas with
@@ -24,7 +24,7 @@ import (
 // reports readiness SERVING (both live); when it stops, it releases the
 // Lease and the other becomes ready.
 func TestServeLeaderElect(t *testing.T) {
-	c := kubetest.Start(t)
+	c := kubeenv.Start(t)
 	const ns = "kvbandit-serve"
 	c.CreateNamespace(t, ns)
 	cs := c.Client(t)

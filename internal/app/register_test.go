@@ -17,8 +17,8 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/kvbandit/kvbandit/internal/testenv/etcdenv"
 	"github.com/kvbandit/kvbandit/routing"
-	"github.com/kvbandit/kvbandit/routing/discovery/etcd/etcdtest"
 )
 
 // syncBuffer is a bytes.Buffer safe for the logger and the test to share.
@@ -117,7 +117,7 @@ func TestRegisterRecordMerge(t *testing.T) {
 // only once the worker is healthy, and cancelling the context (SIGTERM in
 // main) deletes it.
 func TestRegisterEndToEnd(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	cli := srv.Client(t)
 	var healthy atomic.Bool
 	var probes atomic.Int32

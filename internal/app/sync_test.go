@@ -17,7 +17,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvbandit/kvbandit/e2e/worker"
-	"github.com/kvbandit/kvbandit/routing/sync/natstest"
+	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 )
 
 // getJSON decodes a GET's JSON body into v.
@@ -37,7 +37,7 @@ func getJSON(t *testing.T, c *http.Client, url string, v any) {
 // nats-server list each other in /debug/replicas, and a request streaming
 // through A shows on B's /debug/endpoints as remote_inflight, then goes.
 func TestServeSyncReplicas(t *testing.T) {
-	srv := natstest.Start(t, natstest.Options{})
+	srv := natsenv.Start(t, natsenv.Options{})
 	w := startWorker(t, worker.Config{TokenDelay: 20 * time.Millisecond})
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
@@ -175,7 +175,7 @@ func freeAddr(t *testing.T) string {
 // another port for it: one host). A's other bound endpoint is unknown to
 // B: counted, not applied.
 func TestServeSyncRepublishesBoundKVEvents(t *testing.T) {
-	srv := natstest.Start(t, natstest.Options{})
+	srv := natsenv.Start(t, natsenv.Options{})
 	dir := t.TempDir()
 	aAddr, aOther, bAddr := freeAddr(t), freeAddr(t), freeAddr(t)
 	cfgA, cfgB := filepath.Join(dir, "a.yaml"), filepath.Join(dir, "b.yaml")

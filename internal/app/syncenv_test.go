@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/e2e/worker"
-	"github.com/kvbandit/kvbandit/routing/sync/natstest"
+	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 )
 
 // TestServeSyncCredentialsFromEnv: the NATS user and password come from
@@ -15,7 +15,7 @@ import (
 // chart passes them from a Secret): the replica connects to a real
 // nats-server that requires them.
 func TestServeSyncCredentialsFromEnv(t *testing.T) {
-	srv := natstest.Start(t, natstest.Options{User: "kvb", Password: "s3cret"})
+	srv := natsenv.Start(t, natsenv.Options{User: "kvb", Password: "s3cret"})
 	t.Setenv("KVBANDIT_SYNC_NATS_USER", "kvb")
 	t.Setenv("KVBANDIT_SYNC_NATS_PASSWORD", "s3cret")
 	w := startWorker(t, worker.Config{})

@@ -13,7 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	coordclient "k8s.io/client-go/kubernetes/typed/coordination/v1"
 
-	"github.com/kvbandit/kvbandit/gateway-api/kubetest"
+	"github.com/kvbandit/kvbandit/internal/testenv/kubeenv"
 )
 
 // Short timings keep the real-API-server tests to seconds.
@@ -102,7 +102,7 @@ func getLease(t *testing.T, leases coordclient.LeasesGetter, name string) *coord
 // TestKubeLease runs the election against a real kube-apiserver and etcd.
 // The outage subtest kills the API server, so it runs last.
 func TestKubeLease(t *testing.T) {
-	c := kubetest.Start(t)
+	c := kubeenv.Start(t)
 	c.CreateNamespace(t, testNS)
 	leases := c.Client(t).CoordinationV1()
 

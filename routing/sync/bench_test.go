@@ -4,9 +4,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/engine"
-	"github.com/kvbandit/kvbandit/routing/sync/natstest"
 )
 
 // BenchmarkLocalSide is a decision's whole cost (Pick, first token, Done)
@@ -18,7 +18,7 @@ import (
 //
 //	go test -run '^$' -bench LocalSide -benchmem ./routing/sync/
 func BenchmarkLocalSide(b *testing.B) {
-	srv := natstest.Start(b, natstest.Options{})
+	srv := natsenv.Start(b, natsenv.Options{})
 	for _, c := range []struct {
 		name        string
 		hooks, peer bool

@@ -5,7 +5,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
-	"github.com/kvbandit/kvbandit/routing/sync/natstest"
+	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 	"github.com/kvbandit/kvbandit/routing/sync/wire"
 )
 
@@ -15,7 +15,7 @@ type publisher struct {
 	prefix string
 }
 
-func rawPublisher(t testing.TB, srv *natstest.Server, prefix string) *publisher {
+func rawPublisher(t testing.TB, srv *natsenv.Server, prefix string) *publisher {
 	t.Helper()
 	nc, err := nats.Connect(srv.URL())
 	if err != nil {

@@ -13,12 +13,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/goleak"
 
+	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
-	"github.com/kvbandit/kvbandit/routing/sync/natstest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -57,7 +57,7 @@ var testFleet = []routing.Endpoint{
 }
 
 // testConfig is a Config with short intervals for tests.
-func testConfig(srv *natstest.Server, replica string) Config {
+func testConfig(srv *natsenv.Server, replica string) Config {
 	c := Config{
 		Servers: []string{srv.URL()}, Pool: "p", Replica: replica,
 		SnapshotInterval: 300 * time.Millisecond, HeartbeatInterval: 100 * time.Millisecond, PeerTTL: 800 * time.Millisecond,
@@ -230,7 +230,7 @@ func waitConnected(t testing.TB, nodes ...*node) {
 // RemoteInFlight within 100 ms and disappear at their End; A's outcomes
 // teach B's posteriors; a session pinned through A sticks on B.
 func TestSharesInFlightAndEnds(t *testing.T) {
-	srv := natstest.Start(t, natstest.Options{})
+	srv := natsenv.Start(t, natsenv.Options{})
 	a := newNode(t, testConfig(srv, "a"), engine.Options{})
 	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	c := newNode(t, testConfig(srv, "c"), engine.Options{})
@@ -295,7 +295,7 @@ func TestSharesInFlightAndEnds(t *testing.T) {
 // from A's in-flight set and queue, as a full queue or a lost message
 // would) is repaired by A's next snapshot.
 func TestSnapshotRepairsDroppedEnd(t *testing.T) {
-	srv := natstest.Start(t, natstest.Options{})
+	srv := natsenv.Start(t, natsenv.Options{})
 	a := newNode(t, testConfig(srv, "a"), engine.Options{})
 	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
@@ -322,7 +322,7 @@ func TestSnapshotRepairsDroppedEnd(t *testing.T) {
 // TestPeerTTLExpiry: a replica that goes away without a word has its
 // decisions dropped by its peers after the peer TTL.
 func TestPeerTTLExpiry(t *testing.T) {
-	srv := natstest.Start(t, natstest.Options{})
+	srv := natsenv.Start(t, natsenv.Options{})
 	a := newNode(t, testConfig(srv, "a"), engine.Options{})
 	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
@@ -354,7 +354,7 @@ func TestPeerTTLExpiry(t *testing.T) {
 // same port the replicas converge (peers' in-flight equal to the truth,
 // including decisions made and ended during the outage) within 2 s.
 func TestNATSKillRestart(t *testing.T) {
-	srv := natstest.Start(t, natstest.Options{})
+	srv := natsenv.Start(t, natsenv.Options{})
 	a := newNode(t, testConfig(srv, "a"), engine.Options{})
 	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
@@ -386,7 +386,7 @@ func TestNATSKillRestart(t *testing.T) {
 
 // TestTLSUserPassword: TLS with a generated CA and user/password works.
 func TestTLSUserPassword(t *testing.T) {
-	srv := natstest.Start(t, natstest.Options{TLS: true, User: "kv", Password: "s3cret"})
+	srv := natsenv.Start(t, natsenv.Options{TLS: true, User: "kv", Password: "s3cret"})
 	a := newNode(t, testConfig(srv, "a"), engine.Options{})
 	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
@@ -398,7 +398,7 @@ func TestTLSUserPassword(t *testing.T) {
 
 // TestMTLSToken: mutual TLS with a token works.
 func TestMTLSToken(t *testing.T) {
-	srv := natstest.Start(t, natstest.Options{MTLS: true, Token: "tok-123"})
+	srv := natsenv.Start(t, natsenv.Options{MTLS: true, Token: "tok-123"})
 	a := newNode(t, testConfig(srv, "a"), engine.Options{})
 	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
@@ -407,7 +407,7 @@ func TestMTLSToken(t *testing.T) {
 // TestWrongPassword: wrong credentials are a clear error line per period,
 // not a crash loop; the replica stays degraded and routes on local state.
 func TestWrongPassword(t *testing.T) {
-	srv := natstest.Start(t, natstest.Options{User: "kv", Password: "right"})
+	srv := natsenv.Start(t, natsenv.Options{User: "kv", Password: "right"})
 	cfg := testConfig(srv, "a")
 	cfg.Password = "wrong"
 	a := newNode(t, cfg, engine.Options{})
@@ -434,7 +434,7 @@ func TestWrongPassword(t *testing.T) {
 // TestUnreachableAtStart: no server at all: Start returns at once, the
 // replica is degraded and routes.
 func TestUnreachableAtStart(t *testing.T) {
-	srv := natstest.Start(t, natstest.Options{})
+	srv := natsenv.Start(t, natsenv.Options{})
 	cfg := testConfig(srv, "a")
 	srv.Kill()
 	t0 := time.Now()
@@ -454,7 +454,7 @@ func TestUnreachableAtStart(t *testing.T) {
 // TestHostileMessages: garbage, another pool, unknown endpoints and a
 // replica flooding Starts are counted and bounded, never a crash.
 func TestHostileMessages(t *testing.T) {
-	srv := natstest.Start(t, natstest.Options{})
+	srv := natsenv.Start(t, natsenv.Options{})
 	b := newNode(t, testConfig(srv, "b"), engine.Options{MaxRemoteDecisions: 100})
 	waitFor(t, 5*time.Second, "b connected", func() bool { return !b.s.Degraded() })
 	// The attacker is another Syncer-shaped publisher: a raw connection.
@@ -496,7 +496,7 @@ func TestHostileMessages(t *testing.T) {
 // token, end, outcome) are batched: far fewer than 2 messages a decision,
 // and the peer ends with nothing in flight.
 func TestMessagesPerDecisionUnderLoad(t *testing.T) {
-	srv := natstest.Start(t, natstest.Options{})
+	srv := natsenv.Start(t, natsenv.Options{})
 	a := newNode(t, testConfig(srv, "a"), engine.Options{})
 	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)

@@ -17,10 +17,10 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/kvbandit/kvbandit/internal/testenv/etcdenv"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/dns"
-	"github.com/kvbandit/kvbandit/routing/discovery/etcd/etcdtest"
 )
 
 // fakeSink records what a source reports.
@@ -129,7 +129,7 @@ func (w testWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-func testConfig(srv *etcdtest.Server) Config {
+func testConfig(srv *etcdenv.Server) Config {
 	return Config{Endpoints: []string{srv.Addr()}, Prefix: "/test", Pool: "p"}
 }
 
@@ -222,7 +222,7 @@ func TestEtcdConfigValidate(t *testing.T) {
 }
 
 func TestEtcdInitialListWatchPutDelete(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	cli := srv.Client(t)
 	cfg := testConfig(srv)
 	pfx := cfg.Prefix + "/p/endpoints/"
@@ -271,7 +271,7 @@ func TestEtcdInitialListWatchPutDelete(t *testing.T) {
 }
 
 func TestEtcdEmptyPrefixPublishesEmptySet(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	sink := newFakeSink()
 	startSource(t, newSource(t, testConfig(srv)), sink)
 	waitFor(t, 10*time.Second, "first set", func() bool { _, n := sink.last(); return n == 1 })
@@ -281,7 +281,7 @@ func TestEtcdEmptyPrefixPublishesEmptySet(t *testing.T) {
 }
 
 func TestEtcdLeaseExpiryRemovesRecord(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	cli := srv.Client(t)
 	cfg := testConfig(srv)
 	sink := newFakeSink()
@@ -306,7 +306,7 @@ func TestEtcdLeaseExpiryRemovesRecord(t *testing.T) {
 }
 
 func TestEtcdSkipsBadRecords(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	cli := srv.Client(t)
 	cfg := testConfig(srv)
 	pfx := cfg.EndpointsPrefix()
@@ -347,7 +347,7 @@ func TestEtcdSkipsBadRecords(t *testing.T) {
 }
 
 func TestEtcdDuplicateAddressKeepsLowestKey(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	cli := srv.Client(t)
 	cfg := testConfig(srv)
 	pfx := cfg.EndpointsPrefix()
@@ -386,7 +386,7 @@ func TestEtcdDuplicateAddressKeepsLowestKey(t *testing.T) {
 // watch from list-revision+1 is answered with CompactRevision by the real
 // server. The source must list again and see both records.
 func TestEtcdCompactedWatchRelists(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	cli := srv.Client(t)
 	cfg := testConfig(srv)
 	pfx := cfg.EndpointsPrefix()
@@ -419,7 +419,7 @@ func TestEtcdCompactedWatchRelists(t *testing.T) {
 }
 
 func TestEtcdDegradedWhileDownThenRecovers(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	cli := srv.Client(t)
 	cfg := testConfig(srv)
 	pfx := cfg.EndpointsPrefix()
@@ -453,7 +453,7 @@ func TestEtcdDegradedWhileDownThenRecovers(t *testing.T) {
 }
 
 func TestEtcdUnreachableAtStartIsDegraded(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	cfg := testConfig(srv)
 	srv.Kill()
 	sink := newFakeSink()
@@ -472,7 +472,7 @@ func TestEtcdUnreachableAtStartIsDegraded(t *testing.T) {
 // TestEtcdWatchToPublishLatency measures put → Publish over 200 puts, one
 // at a time, against a real local etcd. It reports and does not assert.
 func TestEtcdWatchToPublishLatency(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	cli := srv.Client(t)
 	cfg := testConfig(srv)
 	pfx := cfg.EndpointsPrefix()
@@ -506,7 +506,7 @@ func TestEtcdWatchToPublishLatency(t *testing.T) {
 }
 
 func TestEtcdRegistrar(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	cli := srv.Client(t)
 	cfg := testConfig(srv)
 	ep := routing.Endpoint{Key: "10.0.0.9:8000", Engine: "vllm", Models: []routing.ModelName{"m"}}
@@ -578,7 +578,7 @@ func TestEtcdRegistrar(t *testing.T) {
 }
 
 func TestEtcdRegistrarSurvivesRestart(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	cli := srv.Client(t)
 	cfg := testConfig(srv)
 	ep := routing.Endpoint{Key: "10.0.0.9:8000"}
@@ -673,7 +673,7 @@ func TestEtcdNewRegistrarRejectsBadRecords(t *testing.T) {
 // refused by the client instead of being received whole: the source is
 // degraded and publishes nothing, and recovers when the list shrinks.
 func TestEtcdListOverLimit(t *testing.T) {
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	cli := srv.Client(t)
 	cfg := testConfig(srv)
 	cfg.MaxListBytes = 256 << 10
@@ -719,7 +719,7 @@ func TestEtcdRecordsWithHostNames(t *testing.T) {
 	}
 	slices.Sort(want)
 	want = slices.Compact(want)
-	srv := etcdtest.Start(t)
+	srv := etcdenv.Start(t)
 	cli := srv.Client(t)
 	cfg := testConfig(srv)
 	pfx := cfg.Prefix + "/p/endpoints/"

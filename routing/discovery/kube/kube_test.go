@@ -16,7 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/rest"
 
-	"github.com/kvbandit/kvbandit/gateway-api/kubetest"
+	"github.com/kvbandit/kvbandit/internal/testenv/kubeenv"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/discovery"
 	"github.com/kvbandit/kvbandit/routing/discovery/kube"
@@ -173,11 +173,11 @@ func pool(ns, name string, sel map[string]string, ports ...int) *unstructured.Un
 
 // env is one namespace of the shared cluster.
 type env struct {
-	c  *kubetest.Cluster
+	c  *kubeenv.Cluster
 	ns string
 }
 
-func newEnv(t *testing.T, c *kubetest.Cluster) env {
+func newEnv(t *testing.T, c *kubeenv.Cluster) env {
 	ns := strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(t.Name()))
 	c.CreateNamespace(t, ns)
 	return env{c, ns}
@@ -235,7 +235,7 @@ var sim = map[string]string{"app": "sim"}
 // TestKube runs the pool-mode and standalone scenarios on one API server,
 // each subtest in its own namespace.
 func TestKube(t *testing.T) {
-	c := kubetest.Start(t)
+	c := kubeenv.Start(t)
 	admin := c.AdminConfig()
 
 	t.Run("FirstSetAfterSync", func(t *testing.T) {
@@ -589,7 +589,7 @@ func TestNewErrors(t *testing.T) {
 // TestOutage kills the API server: the source turns degraded and keeps its
 // last set; after a restart it recovers and follows changes again.
 func TestOutage(t *testing.T) {
-	c := kubetest.Start(t)
+	c := kubeenv.Start(t)
 	e := newEnv(t, c)
 	e.createPool(t, "p", sim, 8000)
 	e.pod(t, "a", "10.20.0.1", sim, nil)
@@ -643,7 +643,7 @@ func TestUnreachableAtStart(t *testing.T) {
 // churn creates 100 pods/s for a few seconds (create, then a status write
 // making each ready) and measures, per pod, the time from just before its
 // ready status write to the first published set holding it.
-func churn(t *testing.T, c *kubetest.Cluster, e env) {
+func churn(t *testing.T, c *kubeenv.Cluster, e env) {
 	const rate, secs = 100, 3
 	e.createPool(t, "p", sim, 8000)
 	s := run(t, kube.Config{Namespace: e.ns, Pool: "p"}, c.AdminConfig())

@@ -12,7 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/rest"
 
-	"github.com/kvbandit/kvbandit/gateway-api/kubetest"
+	"github.com/kvbandit/kvbandit/internal/testenv/kubeenv"
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/discovery/kube/objectives"
 )
@@ -43,11 +43,11 @@ func objective(ns, name, pool, group string, prio *int64) *unstructured.Unstruct
 func p(v int64) *int64 { return &v }
 
 type env struct {
-	c  *kubetest.Cluster
+	c  *kubeenv.Cluster
 	ns string
 }
 
-func newEnv(t *testing.T, c *kubetest.Cluster) env {
+func newEnv(t *testing.T, c *kubeenv.Cluster) env {
 	ns := strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(t.Name()))
 	c.CreateNamespace(t, ns)
 	return env{c, ns}
@@ -130,7 +130,7 @@ func waitFor(t *testing.T, w *objectives.Watcher, exp map[string]want) {
 }
 
 func TestWatcher(t *testing.T) {
-	c := kubetest.Start(t)
+	c := kubeenv.Start(t)
 	admin := c.AdminConfig()
 
 	t.Run("CreateUpdateDelete", func(t *testing.T) {
@@ -216,7 +216,7 @@ func waitRetry(t *testing.T, clk *clock.Virtual) {
 }
 
 // grant gives user the RBAC the manifests give kvbandit for objectives.
-func grant(t *testing.T, c *kubetest.Cluster, ns, user string) {
+func grant(t *testing.T, c *kubeenv.Cluster, ns, user string) {
 	t.Helper()
 	rb := c.Client(t).RbacV1()
 	role := &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Name: "objectives", Namespace: ns},

@@ -1,13 +1,13 @@
-// Package natstest runs a real nats-server (v2.15.2, built and cached by
-// tools/build.sh) for tests: client port only, on 127.0.0.1 only (no HTTP
-// monitor, cluster, gateway, leafnode, websocket or MQTT listener, no
-// JetStream), with plain, user/password or token authentication and
-// optionally TLS or mutual TLS from a throwaway CA. Its configuration,
-// certificates and log live in the test's temporary directory, and it is
-// stopped when the test ends. Kill and Restart (on the same port, with the
-// same certificates) let tests break the connection of their clients. It is
-// for tests only.
-package natstest
+// Package natsenv runs a real nats-server (v2.15.2, built and cached by
+// tools/build.sh, found by [testenv.Tool]) for tests: client port only, on
+// 127.0.0.1 only (no HTTP monitor, cluster, gateway, leafnode, websocket or
+// MQTT listener, no JetStream), with plain, user/password or token
+// authentication and optionally TLS or mutual TLS from a throwaway CA. Its
+// configuration, certificates and log live in the test's temporary
+// directory, and it is stopped when the test ends. Kill and Restart (on the
+// same port, with the same certificates) let tests break the connection of
+// their clients. It is for tests only.
+package natsenv
 
 import (
 	"bufio"
@@ -20,16 +20,14 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
-	"github.com/kvbandit/kvbandit/internal/toolstest"
+	"github.com/kvbandit/kvbandit/internal/testenv"
 )
 
 // Options choose how clients must authenticate. The zero value is a plain
@@ -48,7 +46,7 @@ type Options struct {
 }
 
 // ErrOptions is returned (wrapped) for contradictory Options.
-var ErrOptions = errors.New("natstest: invalid options")
+var ErrOptions = errors.New("natsenv: invalid options")
 
 func (o Options) validate() error {
 	if (o.User == "") != (o.Password == "") {
@@ -72,10 +70,9 @@ func (o Options) validate() error {
 }
 
 // startTimeout bounds how long a start or restart may take to accept
-// connections; stopGrace is how long Stop waits after SIGTERM.
+// connections.
 const (
 	startTimeout = 30 * time.Second
-	stopGrace    = 5 * time.Second
 	maxLogReport = 64 << 10
 )
 
@@ -92,8 +89,7 @@ type Server struct {
 
 	mu   sync.Mutex
 	port int // 0 until the first start picked one
-	cmd  *exec.Cmd
-	done <-chan struct{} // closed when cmd has exited
+	proc *testenv.Process
 }
 
 // Start builds (or finds in the cache) the nats-server binary, starts it on
@@ -111,11 +107,11 @@ func Start(t testing.TB, opts Options) *Server {
 	}
 	var id [6]byte
 	_, _ = rand.Read(id[:])
-	s := &Server{t: t, bin: Binary(t), dir: t.TempDir(), name: "natstest-" + hex.EncodeToString(id[:]), opts: opts}
+	s := &Server{t: t, bin: testenv.Tool(t, "nats-server"), dir: t.TempDir(), name: "natsenv-" + hex.EncodeToString(id[:]), opts: opts}
 	if opts.TLS {
-		p, err := newPKI(s.dir, time.Now())
+		p, err := newPKI(s.dir)
 		if err != nil {
-			t.Fatalf("natstest: TLS material: %v", err)
+			t.Fatalf("natsenv: TLS material: %v", err)
 		}
 		s.pki = p
 	}
@@ -126,16 +122,9 @@ func Start(t testing.TB, opts Options) *Server {
 		}
 	})
 	if err := s.start(); err != nil {
-		t.Fatalf("natstest: %v\nnats-server log:\n%s", err, s.logTail())
+		t.Fatalf("natsenv: %v\nnats-server log:\n%s", err, s.logTail())
 	}
 	return s
-}
-
-// Binary returns the path of the nats-server binary (KVBANDIT_NATS_SERVER,
-// or built and cached by tools/build.sh).
-func Binary(t testing.TB) string {
-	t.Helper()
-	return toolstest.Tool(t, "nats-server")
 }
 
 // Addr is the client address, "127.0.0.1:port"; the port stays the same
@@ -143,7 +132,7 @@ func Binary(t testing.TB) string {
 func (s *Server) Addr() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return net.JoinHostPort("127.0.0.1", strconv.Itoa(s.port))
+	return net.JoinHostPort(testenv.Loopback, strconv.Itoa(s.port))
 }
 
 // URL is the client URL: nats://127.0.0.1:port, or tls://127.0.0.1:port
@@ -165,7 +154,7 @@ func (s *Server) ClientTLS() *tls.Config {
 	if s.pki == nil {
 		return nil
 	}
-	c := &tls.Config{RootCAs: s.pki.pool, ServerName: "127.0.0.1", MinVersion: tls.VersionTLS12}
+	c := &tls.Config{RootCAs: s.pki.pool, ServerName: testenv.Loopback, MinVersion: tls.VersionTLS12}
 	if s.opts.MTLS {
 		c.Certificates = []tls.Certificate{s.pki.client}
 	}
@@ -187,14 +176,7 @@ func (s *Server) TLSFiles() TLSFiles {
 }
 
 // PID is the running server's process id, 0 when it is not running.
-func (s *Server) PID() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.cmd == nil || isClosed(s.done) {
-		return 0
-	}
-	return s.cmd.Process.Pid
-}
+func (s *Server) PID() int { return s.current().PID() }
 
 // LogFile is the path of the server's log (stdout and stderr of every run,
 // appended across restarts).
@@ -203,11 +185,11 @@ func (s *Server) LogFile() string { return filepath.Join(s.dir, "nats-server.log
 // Stop sends SIGTERM to the server, then SIGKILL if it is still running
 // after 5s, and waits for it to exit. Stopping a stopped server does
 // nothing.
-func (s *Server) Stop() { s.signal(syscall.SIGTERM, stopGrace) }
+func (s *Server) Stop() { s.current().Stop() }
 
 // Kill sends SIGKILL to the server and waits for it to exit: its clients
 // see the connection drop without a goodbye.
-func (s *Server) Kill() { s.signal(syscall.SIGKILL, 0) }
+func (s *Server) Kill() { s.current().Kill() }
 
 // Restart stops the server if it still runs, starts it again on the same
 // port with the same options and certificates, and waits until it accepts
@@ -216,18 +198,17 @@ func (s *Server) Restart(t testing.TB) {
 	t.Helper()
 	s.Stop()
 	if err := s.start(); err != nil {
-		t.Fatalf("natstest: restart: %v\nnats-server log:\n%s", err, s.logTail())
+		t.Fatalf("natsenv: restart: %v\nnats-server log:\n%s", err, s.logTail())
 	}
 }
 
 // String describes the server for test logs.
 func (s *Server) String() string { return "nats-server@" + s.Addr() }
 
-func (s *Server) signal(sig syscall.Signal, grace time.Duration) {
+func (s *Server) current() *testenv.Process {
 	s.mu.Lock()
-	cmd, done := s.cmd, s.done
-	s.mu.Unlock()
-	toolstest.Stop(cmd, done, sig, grace)
+	defer s.mu.Unlock()
+	return s.proc
 }
 
 // start writes the configuration, starts the process and waits until it
@@ -248,21 +229,18 @@ func (s *Server) start() error {
 	if err != nil {
 		return err
 	}
-	cmd := exec.Command(s.bin, "-c", conf)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	err = cmd.Start()
+	proc, err := testenv.Start(s.bin, []string{"-c", conf}, logf)
 	logf.Close() // the child has its own descriptor
 	if err != nil {
-		return fmt.Errorf("start nats-server: %w", err)
+		return err
 	}
-	done := toolstest.Wait(cmd)
 	s.mu.Lock()
-	s.cmd, s.done = cmd, done
+	s.proc = proc
 	s.mu.Unlock()
 
-	got, err := s.waitReady(cmd.Process.Pid, portsDir, port, done)
+	got, err := s.waitReady(proc, portsDir, port)
 	if err != nil {
-		toolstest.Stop(cmd, done, syscall.SIGKILL, 0)
+		proc.Kill()
 		return err
 	}
 	s.mu.Lock()
@@ -281,7 +259,7 @@ func (s *Server) config(port int, portsDir string) string {
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "server_name: %s\n", quote(s.name))
-	fmt.Fprintf(&b, "host: \"127.0.0.1\"\nport: %d\n", port)
+	fmt.Fprintf(&b, "host: %s\nport: %d\n", quote(testenv.Loopback), port)
 	fmt.Fprintf(&b, "ports_file_dir: %s\n", quote(portsDir))
 	b.WriteString("max_payload: 1048576\n") // the default, stated: the sync protocol's message bound
 	b.WriteString("http_port: 0\n")         // no monitoring endpoint
@@ -334,33 +312,29 @@ type portsInfo struct {
 // one client listener on 127.0.0.1 (and the expected port on a restart),
 // then waits until a connection there gets this server's INFO. It returns
 // the port.
-func (s *Server) waitReady(pid int, portsDir string, want int, exited <-chan struct{}) (int, error) {
-	deadline := time.Now().Add(startTimeout)
+func (s *Server) waitReady(proc *testenv.Process, portsDir string, want int) (int, error) {
+	pid := proc.PID()
 	port := 0
-	for {
-		select {
-		case <-exited:
-			return 0, errors.New("nats-server exited during startup")
-		default:
-		}
-		if time.Now().After(deadline) {
-			return 0, fmt.Errorf("nats-server (pid %d) not accepting connections after %s", pid, startTimeout)
-		}
+	err := proc.WaitReady(startTimeout, 20*time.Millisecond, func() (bool, error) {
 		if port == 0 {
 			p, err := readPorts(portsDir, pid)
 			if err != nil {
-				return 0, err
+				return true, err
 			}
 			if p != 0 && want != 0 && p != want {
-				return 0, fmt.Errorf("nats-server listens on port %d, want %d", p, want)
+				return true, fmt.Errorf("nats-server listens on port %d, want %d", p, want)
 			}
 			port = p
 		}
-		if port != 0 && s.probe(port) {
-			return port, nil
+		if port == 0 {
+			return false, errors.New("no ports file yet")
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		if !s.probe(port) {
+			return false, errors.New("not accepting connections")
+		}
+		return true, nil
+	})
+	return port, err
 }
 
 // readPorts returns the client port from pid's ports file, 0 while the file
@@ -384,7 +358,7 @@ func readPorts(dir string, pid int) (int, error) {
 	u := pi.Nats[0]
 	_, hostport, ok := strings.Cut(u, "://")
 	host, p, err := net.SplitHostPort(hostport)
-	if !ok || err != nil || host != "127.0.0.1" {
+	if !ok || err != nil || host != testenv.Loopback {
 		return 0, fmt.Errorf("nats-server client listener %q is not on 127.0.0.1", u)
 	}
 	port, err := strconv.Atoi(p)
@@ -398,7 +372,7 @@ func readPorts(dir string, pid int) (int, error) {
 // sends its INFO there. The probe closes before CONNECT, which the server
 // does not log above debug level.
 func (s *Server) probe(port int) bool {
-	c, err := net.DialTimeout("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)), time.Second)
+	c, err := net.DialTimeout("tcp", net.JoinHostPort(testenv.Loopback, strconv.Itoa(port)), time.Second)
 	if err != nil {
 		return false
 	}
@@ -434,13 +408,4 @@ func (s *Server) logTail() string {
 	}
 	data, _ := io.ReadAll(io.LimitReader(f, maxLogReport))
 	return string(data)
-}
-
-func isClosed(c <-chan struct{}) bool {
-	select {
-	case <-c:
-		return true
-	default:
-		return false
-	}
 }

@@ -1,6 +1,6 @@
-// Package kubetest runs a real Kubernetes API server for tests: kube-apiserver
+// Package kubeenv runs a real Kubernetes API server for tests: kube-apiserver
 // v1.36.3 (built from the Go module proxy by tools/build.sh and cached by
-// content) on a real etcd (etcdtest), bound to 127.0.0.1 on free ports, with
+// content) on a real etcd (etcdenv), bound to 127.0.0.1 on free ports, with
 // the Gateway API Inference Extension CRDs (v1.5.0) installed. There is no
 // kubelet, scheduler or controller manager: tests create Pods and set their
 // status themselves (SetPodStatus). It is for tests only.
@@ -13,29 +13,23 @@
 //	kvbandit-2  token "kubetest-kvbandit-2"  no permissions until a test grants them
 //	nobody      token "kubetest-nobody"      no permissions
 //
-// The binaries come from environment variables when set (KVBANDIT_KUBE_APISERVER,
-// and for Tool: KVBANDIT_HELM, KVBANDIT_EPP), as the e2e suite passes them into
-// its network namespace; otherwise they are built with tools/build.sh. The CRD
-// directory comes from KVBANDIT_GIE_CRDS when set, otherwise from the module
-// cache (`go mod download -json` in tools/epp).
-package kubetest
+// The kube-apiserver binary is found by [testenv.Tool]: KVBANDIT_KUBE_APISERVER
+// when set, as the e2e suite passes it into its network namespace, otherwise
+// built with tools/build.sh. The CRD directory comes from KVBANDIT_GIE_CRDS
+// when set, otherwise from the module cache (`go mod download -json` in
+// tools/epp).
+package kubeenv
 
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/json"
-	"encoding/pem"
 	"errors"
 	"fmt"
-	"github.com/kvbandit/kvbandit/internal/toolstest"
 	"io"
-	"math/big"
 	"net"
 	"net/http"
 	"os"
@@ -45,7 +39,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -66,7 +59,8 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/util/retry"
 
-	"github.com/kvbandit/kvbandit/routing/discovery/etcd/etcdtest"
+	"github.com/kvbandit/kvbandit/internal/testenv"
+	"github.com/kvbandit/kvbandit/internal/testenv/etcdenv"
 )
 
 // FieldManager is the server-side apply field manager of Apply.
@@ -99,14 +93,13 @@ type Cluster struct {
 	t    testing.TB
 	bin  string
 	dir  string
-	etcd *etcdtest.Server
+	etcd *etcdenv.Server
 	port int
 	ca   []byte // PEM of the CA that signed the serving certificate
+	logs testenv.Log
 
 	mu   sync.Mutex
-	cmd  *exec.Cmd
-	done <-chan struct{} // closed when cmd has exited
-	logs bytes.Buffer
+	proc *testenv.Process
 }
 
 // Start starts etcd and kube-apiserver, waits for /readyz, installs the GIE
@@ -115,34 +108,32 @@ type Cluster struct {
 func Start(t testing.TB) *Cluster {
 	t.Helper()
 	begin := time.Now()
-	bin := Tool(t, "kube-apiserver")
+	bin := testenv.Tool(t, "kube-apiserver")
 	crds := CRDDir(t)
-	c := &Cluster{t: t, bin: bin, dir: t.TempDir(), port: toolstest.FreePort(t)}
-	c.etcd = etcdtest.Start(t)
+	c := &Cluster{t: t, bin: bin, dir: t.TempDir(), port: testenv.FreePort(t)}
+	c.etcd = etcdenv.Start(t)
 	etcdUp := time.Now()
 	c.writeFiles()
 	t.Cleanup(func() {
 		c.stop()
 		if t.Failed() {
-			c.mu.Lock()
 			t.Logf("kube-apiserver output:\n%s", c.logs.String())
-			c.mu.Unlock()
 		}
 	})
 	c.start()
 	ready := time.Now()
 	c.installCRDs(crds)
 	ms := func(d time.Duration) time.Duration { return d.Round(time.Millisecond) }
-	t.Logf("kubetest: API server %s ready with the GIE CRDs in %v (tools and etcd %v, kube-apiserver /readyz %v, CRDs %v)",
+	t.Logf("kubeenv: API server %s ready with the GIE CRDs in %v (tools and etcd %v, kube-apiserver /readyz %v, CRDs %v)",
 		c.URL(), ms(time.Since(begin)), ms(etcdUp.Sub(begin)), ms(ready.Sub(etcdUp)), ms(time.Since(ready)))
 	return c
 }
 
 // URL is the API server's address, "https://127.0.0.1:port".
-func (c *Cluster) URL() string { return "https://127.0.0.1:" + strconv.Itoa(c.port) }
+func (c *Cluster) URL() string { return "https://" + testenv.Loopback + ":" + strconv.Itoa(c.port) }
 
 // Etcd is the cluster's etcd server.
-func (c *Cluster) Etcd() *etcdtest.Server { return c.etcd }
+func (c *Cluster) Etcd() *etcdenv.Server { return c.etcd }
 
 // CAData is the PEM of the CA that signed the API server's certificate.
 func (c *Cluster) CAData() []byte { return bytes.Clone(c.ca) }
@@ -151,7 +142,7 @@ func (c *Cluster) CAData() []byte { return bytes.Clone(c.ca) }
 func (c *Cluster) Token(user string) string {
 	u, ok := users[user]
 	if !ok {
-		c.t.Fatalf("kubetest: unknown user %q (have %v)", user, Users())
+		c.t.Fatalf("kubeenv: unknown user %q (have %v)", user, Users())
 	}
 	return u.token
 }
@@ -184,7 +175,7 @@ func (c *Cluster) Kubeconfig(t testing.TB, user string) string {
 	cfg.CurrentContext = "kubetest"
 	path := filepath.Join(t.TempDir(), "kubeconfig-"+user)
 	if err := clientcmd.WriteToFile(*cfg, path); err != nil {
-		t.Fatalf("kubetest: write kubeconfig: %v", err)
+		t.Fatalf("kubeenv: write kubeconfig: %v", err)
 	}
 	return path
 }
@@ -194,7 +185,7 @@ func (c *Cluster) Client(t testing.TB) kubernetes.Interface {
 	t.Helper()
 	cs, err := kubernetes.NewForConfig(c.AdminConfig())
 	if err != nil {
-		t.Fatalf("kubetest: client: %v", err)
+		t.Fatalf("kubeenv: client: %v", err)
 	}
 	return cs
 }
@@ -204,14 +195,14 @@ func (c *Cluster) Dynamic(t testing.TB) dynamic.Interface {
 	t.Helper()
 	d, err := dynamic.NewForConfig(c.AdminConfig())
 	if err != nil {
-		t.Fatalf("kubetest: dynamic client: %v", err)
+		t.Fatalf("kubeenv: dynamic client: %v", err)
 	}
 	return d
 }
 
 // Kill stops the API server with SIGKILL and waits for it to exit; etcd keeps
 // running.
-func (c *Cluster) Kill() { c.signal(syscall.SIGKILL, 0) }
+func (c *Cluster) Kill() { c.current().Kill() }
 
 // Restart starts the API server again on the same port and the same etcd
 // (after Kill, or stopping it first if it still runs) and waits for /readyz.
@@ -230,7 +221,7 @@ func (c *Cluster) CreateNamespace(t testing.TB, name string) {
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}
 	_, err := c.Client(t).CoreV1().Namespaces().Create(ctx(t), ns, metav1.CreateOptions{})
 	if err != nil && !apierrors.IsAlreadyExists(err) {
-		t.Fatalf("kubetest: create namespace %s: %v", name, err)
+		t.Fatalf("kubeenv: create namespace %s: %v", name, err)
 	}
 }
 
@@ -245,7 +236,7 @@ func (c *Cluster) CreatePod(t testing.TB, ns, name string, labels, annotations m
 	}
 	got, err := c.Client(t).CoreV1().Pods(ns).Create(ctx(t), pod, metav1.CreateOptions{})
 	if err != nil {
-		t.Fatalf("kubetest: create pod %s/%s: %v", ns, name, err)
+		t.Fatalf("kubeenv: create pod %s/%s: %v", ns, name, err)
 	}
 	return got
 }
@@ -283,7 +274,7 @@ func (c *Cluster) SetPodStatus(t testing.TB, ns, name, ip string, ready bool) {
 		return err
 	})
 	if err != nil {
-		t.Fatalf("kubetest: set status of pod %s/%s: %v", ns, name, err)
+		t.Fatalf("kubeenv: set status of pod %s/%s: %v", ns, name, err)
 	}
 }
 
@@ -350,10 +341,6 @@ func (c *Cluster) Apply(ctx context.Context, manifests []byte, dryRun bool) erro
 // is the one pinned in tools/epp/go.mod.
 const GIEModule = "sigs.k8s.io/gateway-api-inference-extension"
 
-// Tool returns the path of a tools binary (kube-apiserver, helm, epp, etcd,
-// llm-d-inference-sim); see [toolstest.Tool].
-func Tool(t testing.TB, name string) string { t.Helper(); return toolstest.Tool(t, name) }
-
 // CRDDir returns the directory of the GIE CRD manifests: KVBANDIT_GIE_CRDS
 // when set, otherwise config/crd/bases of the module pinned in tools/epp,
 // located in (or downloaded into) the module cache.
@@ -363,17 +350,17 @@ func CRDDir(t testing.TB) string {
 		return dir
 	}
 	cmd := exec.Command("go", "mod", "download", "-json", GIEModule)
-	cmd.Dir = filepath.Join(toolstest.RepoRoot(t), "tools", "epp")
+	cmd.Dir = filepath.Join(testenv.RepoRoot(t), "tools", "epp")
 	cmd.Env = append(os.Environ(), "GOWORK=off")
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
 	if err != nil {
-		t.Fatalf("kubetest: go mod download %s (in tools/epp): %v\n%s%s", GIEModule, err, out, stderr.String())
+		t.Fatalf("kubeenv: go mod download %s (in tools/epp): %v\n%s%s", GIEModule, err, out, stderr.String())
 	}
 	var mod struct{ Dir, Error string }
 	if err := json.Unmarshal(out, &mod); err != nil || mod.Dir == "" {
-		t.Fatalf("kubetest: go mod download %s: no Dir (%v %s)\n%s", GIEModule, err, mod.Error, out)
+		t.Fatalf("kubeenv: go mod download %s: no Dir (%v %s)\n%s", GIEModule, err, mod.Error, out)
 	}
 	return filepath.Join(mod.Dir, "config", "crd", "bases")
 }
@@ -383,51 +370,24 @@ func CRDDir(t testing.TB) string {
 func (c *Cluster) writeFiles() {
 	t := c.t
 	t.Helper()
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	ca, err := testenv.NewCA("kubetest-ca")
 	if err != nil {
-		t.Fatalf("kubetest: %v", err)
+		t.Fatalf("kubeenv: %v", err)
 	}
-	now := time.Now()
-	caTmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: "kubetest-ca"},
-		NotBefore:             now.Add(-time.Hour),
-		NotAfter:              now.Add(24 * time.Hour),
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
+	serving, err := ca.Issue(&x509.Certificate{
+		Subject:     pkix.Name{CommonName: "kube-apiserver"},
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		DNSNames:    []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"},
+		IPAddresses: []net.IP{net.ParseIP(testenv.Loopback), net.IPv4(10, 96, 0, 1)},
+	})
 	if err != nil {
-		t.Fatalf("kubetest: %v", err)
+		t.Fatalf("kubeenv: %v", err)
 	}
-	caCert, err := x509.ParseCertificate(caDER)
+	saKey, err := testenv.NewKeyPEM()
 	if err != nil {
-		t.Fatalf("kubetest: %v", err)
+		t.Fatalf("kubeenv: %v", err)
 	}
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatalf("kubetest: %v", err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(2),
-		Subject:      pkix.Name{CommonName: "kube-apiserver"},
-		NotBefore:    now.Add(-time.Hour),
-		NotAfter:     now.Add(24 * time.Hour),
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		DNSNames:     []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"},
-		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1), net.IPv4(10, 96, 0, 1)},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, caCert, &key.PublicKey, caKey)
-	if err != nil {
-		t.Fatalf("kubetest: %v", err)
-	}
-	saKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatalf("kubetest: %v", err)
-	}
-	c.ca = pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER})
+	c.ca = ca.PEM
 	var tokens strings.Builder
 	for _, name := range Users() {
 		u := users[name]
@@ -439,99 +399,74 @@ func (c *Cluster) writeFiles() {
 	}
 	files := map[string][]byte{
 		"ca.crt":     c.ca,
-		"server.crt": pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		"server.key": ecKeyPEM(t, key),
-		"sa.key":     ecKeyPEM(t, saKey),
+		"server.crt": serving.CertPEM,
+		"server.key": serving.KeyPEM,
+		"sa.key":     saKey,
 		"tokens.csv": []byte(tokens.String()),
 	}
 	for name, data := range files {
 		if err := os.WriteFile(filepath.Join(c.dir, name), data, 0o600); err != nil {
-			t.Fatalf("kubetest: %v", err)
+			t.Fatalf("kubeenv: %v", err)
 		}
 	}
-}
-
-func ecKeyPEM(t testing.TB, key *ecdsa.PrivateKey) []byte {
-	t.Helper()
-	der, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatalf("kubetest: %v", err)
-	}
-	return pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: der})
 }
 
 func (c *Cluster) start() {
 	c.t.Helper()
 	f := func(name string) string { return filepath.Join(c.dir, name) }
-	cmd := exec.Command(c.bin,
-		"--bind-address=127.0.0.1",
-		"--advertise-address=127.0.0.1",
-		"--secure-port="+strconv.Itoa(c.port),
-		"--etcd-servers="+c.etcd.URL(),
-		"--cert-dir="+f("certs"),
-		"--tls-cert-file="+f("server.crt"),
-		"--tls-private-key-file="+f("server.key"),
-		"--client-ca-file="+f("ca.crt"),
-		"--service-account-key-file="+f("sa.key"),
-		"--service-account-signing-key-file="+f("sa.key"),
+	proc, err := testenv.Start(c.bin, []string{
+		"--bind-address=" + testenv.Loopback,
+		"--advertise-address=" + testenv.Loopback,
+		"--secure-port=" + strconv.Itoa(c.port),
+		"--etcd-servers=" + c.etcd.URL(),
+		"--cert-dir=" + f("certs"),
+		"--tls-cert-file=" + f("server.crt"),
+		"--tls-private-key-file=" + f("server.key"),
+		"--client-ca-file=" + f("ca.crt"),
+		"--service-account-key-file=" + f("sa.key"),
+		"--service-account-signing-key-file=" + f("sa.key"),
 		"--service-account-issuer=https://kubernetes.default.svc",
-		"--service-cluster-ip-range="+ServiceClusterIPRange,
+		"--service-cluster-ip-range=" + ServiceClusterIPRange,
 		"--authorization-mode=RBAC",
-		"--token-auth-file="+f("tokens.csv"),
+		"--token-auth-file=" + f("tokens.csv"),
 		"--disable-admission-plugins=ServiceAccount",
 		"--profiling=false",
 		"--v=0",
-	)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	c.mu.Lock()
-	cmd.Stdout = &lockedWriter{mu: &c.mu, w: &c.logs}
-	cmd.Stderr = cmd.Stdout
-	c.mu.Unlock()
-	if err := cmd.Start(); err != nil {
-		c.t.Fatalf("kubetest: start kube-apiserver: %v", err)
+	}, &c.logs)
+	if err != nil {
+		c.t.Fatalf("kubeenv: %v", err)
 	}
-	done := toolstest.Wait(cmd)
 	c.mu.Lock()
-	c.cmd, c.done = cmd, done
+	c.proc = proc
 	c.mu.Unlock()
-	c.waitReady(done)
+	c.waitReady(proc)
 }
 
 // waitReady polls /readyz until it answers 200.
-func (c *Cluster) waitReady(exited <-chan struct{}) {
+func (c *Cluster) waitReady(proc *testenv.Process) {
 	c.t.Helper()
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(c.ca)
 	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}
 	defer tr.CloseIdleConnections()
 	hc := &http.Client{Timeout: 2 * time.Second, Transport: tr}
-	deadline := time.Now().Add(60 * time.Second)
-	last := ""
-	for time.Now().Before(deadline) {
-		select {
-		case <-exited:
-			c.mu.Lock()
-			logs := c.logs.String()
-			c.mu.Unlock()
-			c.t.Fatalf("kubetest: kube-apiserver exited during startup:\n%s", logs)
-		default:
-		}
+	err := proc.WaitReady(60*time.Second, 50*time.Millisecond, func() (bool, error) {
 		req, _ := http.NewRequest(http.MethodGet, c.URL()+"/readyz", nil)
 		req.Header.Set("Authorization", "Bearer "+users["admin"].token)
 		resp, err := hc.Do(req)
-		if err == nil {
-			body, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return
-			}
-			last = fmt.Sprintf("%d %s", resp.StatusCode, body)
-		} else {
-			last = err.Error()
+		if err != nil {
+			return false, err
 		}
-		time.Sleep(50 * time.Millisecond)
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode == http.StatusOK {
+			return true, nil
+		}
+		return false, fmt.Errorf("/readyz: %d %s", resp.StatusCode, body)
+	})
+	if err != nil {
+		c.t.Fatalf("kubeenv: %v\n%s", err, c.logs.String())
 	}
-	c.t.Fatalf("kubetest: kube-apiserver on %s not ready after 60s: %s", c.URL(), last)
 }
 
 var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
@@ -542,25 +477,25 @@ func (c *Cluster) installCRDs(dir string) {
 	t.Helper()
 	paths, err := filepath.Glob(filepath.Join(dir, "*.yaml"))
 	if err != nil || len(paths) == 0 {
-		t.Fatalf("kubetest: no CRD manifests in %s (%v)", dir, err)
+		t.Fatalf("kubeenv: no CRD manifests in %s (%v)", dir, err)
 	}
 	crds := c.Dynamic(t).Resource(crdGVR)
 	var names []string
 	for _, p := range paths {
 		data, err := os.ReadFile(p)
 		if err != nil {
-			t.Fatalf("kubetest: %v", err)
+			t.Fatalf("kubeenv: %v", err)
 		}
 		var obj map[string]any
 		if err := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096).Decode(&obj); err != nil {
-			t.Fatalf("kubetest: %s: %v", p, err)
+			t.Fatalf("kubeenv: %s: %v", p, err)
 		}
 		u := &unstructured.Unstructured{Object: obj}
 		if u.GetKind() != "CustomResourceDefinition" {
 			continue
 		}
 		if _, err := crds.Create(ctx(t), u, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-			t.Fatalf("kubetest: create CRD %s: %v", u.GetName(), err)
+			t.Fatalf("kubeenv: create CRD %s: %v", u.GetName(), err)
 		}
 		names = append(names, u.GetName())
 	}
@@ -572,7 +507,7 @@ func (c *Cluster) installCRDs(dir string) {
 				break
 			}
 			if time.Now().After(deadline) {
-				t.Fatalf("kubetest: CRD %s not Established after 30s (%v)", name, err)
+				t.Fatalf("kubeenv: CRD %s not Established after 30s (%v)", name, err)
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
@@ -582,7 +517,7 @@ func (c *Cluster) installCRDs(dir string) {
 	for _, name := range names {
 		u, err := crds.Get(ctx(t), name, metav1.GetOptions{})
 		if err != nil {
-			t.Fatalf("kubetest: CRD %s: %v", name, err)
+			t.Fatalf("kubeenv: CRD %s: %v", name, err)
 		}
 		group, _, _ := unstructured.NestedString(u.Object, "spec", "group")
 		plural, _, _ := unstructured.NestedString(u.Object, "spec", "names", "plural")
@@ -600,7 +535,7 @@ func (c *Cluster) installCRDs(dir string) {
 					break
 				}
 				if time.Now().After(deadline) {
-					t.Fatalf("kubetest: %s/%s %s not served after 30s: %v", group, version, plural, err)
+					t.Fatalf("kubeenv: %s/%s %s not served after 30s: %v", group, version, plural, err)
 				}
 				time.Sleep(20 * time.Millisecond)
 			}
@@ -620,13 +555,12 @@ func established(u *unstructured.Unstructured) bool {
 }
 
 // stop sends SIGTERM, then SIGKILL after 5s, and waits for the exit.
-func (c *Cluster) stop() { c.signal(syscall.SIGTERM, 5*time.Second) }
+func (c *Cluster) stop() { c.current().Stop() }
 
-func (c *Cluster) signal(sig syscall.Signal, grace time.Duration) {
+func (c *Cluster) current() *testenv.Process {
 	c.mu.Lock()
-	cmd, done := c.cmd, c.done
-	c.mu.Unlock()
-	toolstest.Stop(cmd, done, sig, grace)
+	defer c.mu.Unlock()
+	return c.proc
 }
 
 // ctx is a context for one API call of a helper: the test's, with a timeout.
@@ -634,20 +568,6 @@ func ctx(t testing.TB) context.Context {
 	c, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	t.Cleanup(cancel)
 	return c
-}
-
-type lockedWriter struct {
-	mu *sync.Mutex
-	w  *bytes.Buffer
-}
-
-func (w *lockedWriter) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.w.Len() > 1<<20 {
-		return len(p), nil
-	}
-	return w.w.Write(p)
 }
 
 // String describes the cluster for test logs.

@@ -1,4 +1,4 @@
-package natstest
+package natsenv
 
 import (
 	"bufio"

@@ -1,4 +1,4 @@
-package kubetest_test
+package kubeenv_test
 
 import (
 	"context"
@@ -14,7 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/kvbandit/kvbandit/gateway-api/kubetest"
+	"github.com/kvbandit/kvbandit/internal/testenv/kubeenv"
 )
 
 // TestMain checks for leaked goroutines after all tests. klog starts its
@@ -55,7 +55,7 @@ func inferencePool(ns, name string) *unstructured.Unstructured {
 // CRDs, an InferencePool, Pods with a status, RBAC for the predefined users,
 // Apply, and an API-server outage.
 func TestCluster(t *testing.T) {
-	c := kubetest.Start(t)
+	c := kubeenv.Start(t)
 	ctx := t.Context()
 	client := c.Client(t)
 	dyn := c.Dynamic(t)
