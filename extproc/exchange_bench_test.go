@@ -126,7 +126,10 @@ func startServer(tb testing.TB, impl extprocv3.ExternalProcessorServer, opts ...
 	if err != nil {
 		tb.Fatal(err)
 	}
-	gs := grpc.NewServer(grpc.MaxRecvMsgSize(32 << 20))
+	// WaitForHandlers: Stop returns once every stream's handler has
+	// returned, so its decision has ended before the test's cleanup looks
+	// at in-flight counts.
+	gs := grpc.NewServer(grpc.MaxRecvMsgSize(32<<20), grpc.WaitForHandlers(true))
 	extprocv3.RegisterExternalProcessorServer(gs, impl)
 	go gs.Serve(l)
 	opts = append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(32 << 20))}, opts...)
