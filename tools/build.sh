@@ -4,7 +4,9 @@
 # content so a version bump rebuilds and nothing else does. Prints each
 # binary's path. Cache: $KVBANDIT_TOOLS or ~/.cache/kvbandit/tools. An
 # optional tools/NAME/ldflags file holds -ldflags (e.g. the version a binary
-# reports) and is part of the key. An optional tools/NAME/cgo.env is sourced
+# reports) and is part of the key. An optional tools/NAME/prepare.sh runs
+# first (it may generate files, e.g. from the project's own packages). An
+# optional tools/NAME/cgo.env is sourced
 # (bash) before the build to turn cgo on and set its flags; it, and every file
 # in the tool's subfolders (e.g. a local module its go.mod replaces), are part
 # of the key too.
@@ -25,6 +27,7 @@ declare -A pkg=(
 for name in "$@"; do
   dir="$here/$name"
   [[ -n "${pkg[$name]:-}" && -f "$dir/go.mod" ]] || { echo "build.sh: unknown tool $name" >&2; exit 2; }
+  if [[ -x "$dir/prepare.sh" ]]; then "$dir/prepare.sh"; fi
   key="$(cat "$dir"/go.mod "$dir"/go.sum $(ls "$dir"/*.go "$dir"/ldflags "$dir"/cgo.env 2>/dev/null) \
     $(find "$dir" -mindepth 2 -type f | LC_ALL=C sort) | sha256sum | cut -c1-12)"
   ldflags="$(cat "$dir"/ldflags 2>/dev/null || true)"
