@@ -99,6 +99,11 @@ tools: ## build etcd, llm-d-inference-sim, kube-apiserver, helm, nats-server, th
 tools-gie: ## build GIE's endpoint picker (epp v1.5.0) from its tools module, for the side-by-side benchmark only (not CI)
 	bash tools/build.sh epp
 
+.PHONY: tools-llmd
+tools-llmd: ## build llm-d's endpoint picker (llm-d-inference-scheduler v0.4.0 cmd/epp, cgo: libzmq3-dev is installed when missing) from its tools module, for the live benchmark only (not CI; docs/llmd-epp.md)
+	@dpkg -s libzmq3-dev >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libzmq3-dev; }
+	bash tools/build.sh llmd-epp
+
 .PHONY: bench-vs-gie
 bench-vs-gie: fixtures tools tools-gie ## the floor picker, kvbandit (with and without a tokenizer) and GIE's EPP v1.5.0 on one InferencePool, same open-loop ext_proc load of 4/64/256 KB bodies (KVBANDIT_GIE_CASES=4096@2000,65536@150,262144@40 KVBANDIT_GIE_ROUNDS=3 KVBANDIT_GIE_SECONDS=10); not CI
 	$(GO) test -tags gie -count=1 -run BenchVsGIE -v -timeout 30m ./e2e/
