@@ -151,7 +151,9 @@ func WithReturnSpecialTokensMask() EncodeOption {
 func WithReturnTokens() EncodeOption { return func(eo *encodeOpts) { eo.ReturnTokens = true } }
 
 // WithReturnAttentionMask returns the attention mask (all one).
-func WithReturnAttentionMask() EncodeOption { return func(eo *encodeOpts) { eo.ReturnAttentionMask = true } }
+func WithReturnAttentionMask() EncodeOption {
+	return func(eo *encodeOpts) { eo.ReturnAttentionMask = true }
+}
 
 // WithReturnOffsets returns byte offsets.
 func WithReturnOffsets() EncodeOption { return func(eo *encodeOpts) { eo.ReturnOffsets = true } }
