@@ -10,9 +10,10 @@ package e2e
 // every picker starts on cold caches.
 //
 // Pickers so far: round_robin (envoysim's own balancing: the ext_proc
-// server closes every stream at once) and kvbandit (defaults, with the
-// Qwen3 tokenizer). GIE's and llm-d's EPPs and the replicated rows are not
-// wired yet (see docs/llmd-epp.md for what llm-d's EPP needs here).
+// server closes every stream at once), kvbandit (defaults, with the Qwen3
+// tokenizer) and gie (GIE's EPP v1.5.0 on an InferencePool). llm-d's EPP
+// and the replicated rows are not wired yet (see docs/llmd-epp.md for
+// what llm-d's EPP needs here).
 
 import (
 	"cmp"
@@ -32,18 +33,24 @@ import (
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
-	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 
 	"github.com/kvbandit/kvbandit/e2e/envoysim"
 	"github.com/kvbandit/kvbandit/e2e/extprocload"
 	"github.com/kvbandit/kvbandit/e2e/livebench"
 	"github.com/kvbandit/kvbandit/e2e/loopfwd"
+	"github.com/kvbandit/kvbandit/internal/testenv/kubeenv"
 	"github.com/kvbandit/kvbandit/routing/sim/trace"
 	"github.com/kvbandit/kvbandit/tokenizer/tokenizertest"
 )
 
-const envLiveBin = "KVBANDIT_LIVE_BIN"
+const (
+	envLiveBin = "KVBANDIT_LIVE_BIN"
+	envLiveEPP = "KVBANDIT_LIVE_EPP"
+)
 
 func init() {
 	extraSetup = append(extraSetup, func(root, dir string) ([]string, error) {
@@ -54,7 +61,18 @@ func init() {
 		if err := cmd.Run(); err != nil {
 			return nil, fmt.Errorf("building kvbandit: %w", err)
 		}
-		return []string{envLiveBin + "=" + bin}, nil
+		env := []string{envLiveBin + "=" + bin}
+		if strings.Contains(os.Getenv("BENCH_LIVE_PICKERS"), "gie") {
+			tools := exec.Command("bash", filepath.Join(root, "tools", "build.sh"), "epp")
+			tools.Stderr = os.Stderr
+			out, err := tools.Output()
+			paths := strings.Fields(string(out))
+			if err != nil || len(paths) != 1 {
+				return nil, fmt.Errorf("tools/build.sh epp: %v", err)
+			}
+			env = append(env, envLiveEPP+"="+paths[0])
+		}
+		return env, nil
 	})
 }
 
@@ -165,10 +183,55 @@ func startRoundRobin(t *testing.T) livePicker {
 
 func startLiveKvbandit(t *testing.T, hosts []string) livePicker {
 	t.Helper()
-	grpcAddr, health := freeAddr(t), freeAddr(t)
+	addr := freeAddr(t)
 	tok := filepath.Join(tokenizertest.Dir(t), "qwen3")
-	cmd := exec.Command(os.Getenv(envLiveBin), "serve", "--grpc-addr", grpcAddr, "--health-addr", health,
-		"--metrics-addr", "", "--endpoints", strings.Join(hosts, ","), "--tokenizer", tok, "--log-level", "warn")
+	return startLiveProc(t, "kvbandit", addr, nil, os.Getenv(envLiveBin), "serve", "--grpc-addr", addr,
+		"--health-addr", freeAddr(t), "--metrics-addr", "", "--endpoints", strings.Join(hosts, ","),
+		"--tokenizer", tok, "--log-level", "warn")
+}
+
+// startLiveGIE runs GIE's EPP v1.5.0 with its default scheduling profile
+// on an InferencePool of the fleet's addresses on a real kube-apiserver,
+// as make bench-vs-gie does.
+func startLiveGIE(t *testing.T, hosts []string) livePicker {
+	t.Helper()
+	c := kubeenv.Start(t)
+	const ns, pool = "default", "live-pool"
+	for i, h := range hosts {
+		ip, _, _ := net.SplitHostPort(h)
+		name := fmt.Sprintf("sim-%d", i)
+		c.CreatePod(t, ns, name, map[string]string{"app": "live"}, nil)
+		c.SetPodStatus(t, ns, name, ip, true)
+	}
+	addr, health := freeAddr(t), freeAddr(t)
+	_, port, _ := net.SplitHostPort(addr)
+	_, hp, _ := net.SplitHostPort(health)
+	u := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+		"metadata": map[string]any{"name": pool, "namespace": ns},
+		"spec": map[string]any{
+			"selector":          map[string]any{"matchLabels": map[string]any{"app": "live"}},
+			"targetPorts":       []any{map[string]any{"number": int64(8000)}},
+			"endpointPickerRef": map[string]any{"name": "epp", "port": map[string]any{"number": int64(atoiLive(port))}},
+		},
+	}}
+	gvr := schema.GroupVersionResource{Group: "inference.networking.k8s.io", Version: "v1", Resource: "inferencepools"}
+	if _, err := c.Dynamic(t).Resource(gvr).Namespace(ns).Create(t.Context(), u, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	env := []string{"POD_NAME=epp-5d8f7c9b4-x2k9p", "POD_NAMESPACE=" + ns, "KUBECONFIG=" + c.Kubeconfig(t, "admin")}
+	return startLiveProc(t, "gie", addr, env, os.Getenv(envLiveEPP), "--pool-name", pool, "--pool-namespace", ns,
+		"--secure-serving=false", "--tracing=false", "--metrics-endpoint-auth=false", "--grpc-port", port,
+		"--grpc-health-port", hp, "--metrics-port", strconv.Itoa(atoiLive(hp)+1))
+}
+
+// startLiveProc runs a picker process serving ext_proc on addr, stops it
+// at the end of the run (SIGTERM, SIGKILL after 30 s) and waits until it
+// answers ext_proc requests with a destination.
+func startLiveProc(t *testing.T, name, addr string, env []string, bin string, args ...string) livePicker {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
+	cmd.Env = append(os.Environ(), env...)
 	out := &syncBuffer{}
 	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
@@ -185,38 +248,11 @@ func startLiveKvbandit(t *testing.T, hosts []string) livePicker {
 			<-exited
 		}
 		if t.Failed() {
-			t.Logf("kvbandit output:\n%s", out)
+			t.Logf("%s output:\n%s", name, out)
 		}
 	})
-	waitServing(t, health, exited)
-	return livePicker{addr: grpcAddr, pid: cmd.Process.Pid}
-}
-
-// waitServing waits until the gRPC health service at addr says SERVING.
-func waitServing(t *testing.T, addr string, exited <-chan struct{}) {
-	t.Helper()
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
-	defer cancel()
-	err = poll(ctx, func() (bool, string) {
-		select {
-		case <-exited:
-			return false, "exited"
-		default:
-		}
-		r, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: "readiness"})
-		if err != nil {
-			return false, err.Error()
-		}
-		return r.GetStatus() == healthpb.HealthCheckResponse_SERVING, r.GetStatus().String()
-	})
-	if err != nil {
-		t.Fatalf("picker not serving: %v", err)
-	}
+	waitPicking(t, name, addr, out)
+	return livePicker{addr: addr, pid: cmd.Process.Pid}
 }
 
 // liveRun is one picker's measurement of one workload, in the shape of
@@ -274,8 +310,8 @@ func readLiveKnobs(t *testing.T) liveKnobs {
 		k.pickers = strings.Split(v, ",")
 	}
 	for _, p := range k.pickers {
-		if p != "round_robin" && p != "kvbandit" {
-			t.Fatalf("BENCH_LIVE_PICKERS: %q is not wired yet (round_robin, kvbandit)", p)
+		if !slices.Contains([]string{"round_robin", "kvbandit", "gie"}, p) {
+			t.Fatalf("BENCH_LIVE_PICKERS: %q is not wired yet (round_robin, kvbandit, gie)", p)
 		}
 	}
 	k.out = cmp.Or(os.Getenv("BENCH_LIVE_OUT"), k.out)
@@ -351,6 +387,8 @@ func runLive(t *testing.T, k liveKnobs, wname, pname string, w livebench.Workloa
 		p = startRoundRobin(t)
 	case "kvbandit":
 		p = startLiveKvbandit(t, fleet.hosts)
+	case "gie":
+		p = startLiveGIE(t, fleet.hosts)
 	}
 	px, err := envoysim.New(envoysim.Config{ExtProcAddr: p.addr, Hosts: fleet.hosts, DiscardHistory: true,
 		MessageTimeout: 10 * time.Second, RequestBodyMode: p.mode, ResponseBodyMode: p.mode})
