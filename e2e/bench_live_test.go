@@ -337,7 +337,10 @@ func liveWorkloads(t *testing.T, k liveKnobs) map[string]livebench.Workload {
 	if out["mooncake"], _, err = livebench.ReadMooncake(f, opt); err != nil {
 		t.Fatal(err)
 	}
-	ag := trace.AgenticConfig{Sessions: int(k.minutes * 60 * 2), SessionRate: 2, Turns: 6, ThinkTime: 10 * time.Second,
+	// Half a session a second: about 5 requests a second in steady state, of
+	// some 2k-8k prompt tokens, within the fleet's prefill capacity (8 ×
+	// 4,000 tokens a second at 250 µs a token) once prefixes are reused.
+	ag := trace.AgenticConfig{Sessions: max(int(k.minutes*60*0.5), 1), SessionRate: 0.5, Turns: 6, ThinkTime: 10 * time.Second,
 		Seed: int64(k.seed), Model: simModel}
 	for _, strip := range []bool{false, true} {
 		o := opt
