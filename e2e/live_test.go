@@ -1,0 +1,500 @@
+package e2e
+
+// The machinery of the live benchmark (issue 21): `make bench-live` runs
+// TestBenchLive (bench_live_test.go, tag benchlive), a measurement; the
+// suite runs TestBenchLiveSmoke below, a short run of two pickers that
+// checks the plumbing, not the ranking. A fleet of llm-d-inference-sim workers, each
+// on its own loopback address (127.0.0.2–9, one port, through
+// e2e/loopfwd), behind e2e/envoysim; the same requests (e2e/livebench) go
+// through each picker in turn, the fleet restarted before each run so that
+// every picker starts on cold caches.
+//
+// Pickers so far: round_robin (envoysim's own balancing: the ext_proc
+// server closes every stream at once), kvbandit (defaults, with the Qwen3
+// tokenizer) and gie (GIE's EPP v1.5.0 on an InferencePool). llm-d's EPP
+// and the replicated rows are not wired yet (see docs/llmd-epp.md for
+// what llm-d's EPP needs here).
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"fmt"
+	"maps"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+
+	"github.com/kvbandit/kvbandit/e2e/envoysim"
+	"github.com/kvbandit/kvbandit/e2e/extprocload"
+	"github.com/kvbandit/kvbandit/e2e/livebench"
+	"github.com/kvbandit/kvbandit/e2e/loopfwd"
+	"github.com/kvbandit/kvbandit/internal/testenv/kubeenv"
+	"github.com/kvbandit/kvbandit/routing/sim/trace"
+	"github.com/kvbandit/kvbandit/tokenizer/tokenizertest"
+)
+
+// The binaries the benchmark's setup builds (bench_live_test.go): a
+// non-race kvbandit and GIE's EPP. Without them (the suite's smoke test)
+// the race build of kvbandit runs, and gie cannot.
+const (
+	envLiveBin = "KVBANDIT_LIVE_BIN"
+	envLiveEPP = "KVBANDIT_LIVE_EPP"
+)
+
+// liveProfile is the deployment every worker models: an 8B model on one
+// H100 (SXM, 80 GB). Prefill: 16 GFLOP a token (2 FLOPs per parameter)
+// at a third of the H100's 989 TFLOP/s dense BF16 peak is 20k tokens a
+// second, 50 µs a token, plus llm-d-inference-sim's own 8b-h100 profile's
+// 30 ms overhead (its manifests/latency-profiles; that profile's 250 µs a
+// token, 4k tokens a second, is a fifth of what the FLOPs allow). Decode:
+// the same profile's 12 ms a token, a load factor of 2.0 at 16 sequences.
+// KV cache: 80 GB less 16 GB of FP16 weights, 90% of it for KV, at 128 KiB
+// a token for Llama-3.1-8B (2 × 32 layers × 8 KV heads × 128 dims × 2
+// bytes) is about 440k tokens: 27,500 blocks of 16. Every latency is
+// divided by the time scale, and arrivals come that much faster, so the
+// load is the deployment's.
+type liveProfile struct {
+	prefillOverhead, perToken, itl time.Duration
+	loadFactor                     float64
+	maxSeqs, kvBlocks, blockSize   int
+}
+
+var h100x8B = liveProfile{
+	prefillOverhead: 30 * time.Millisecond, perToken: 50 * time.Microsecond, itl: 12 * time.Millisecond,
+	loadFactor: 2.0, maxSeqs: 16, kvBlocks: 27500, blockSize: 16,
+}
+
+func (p liveProfile) args(port int, scale float64) []string {
+	d := func(x time.Duration) string { return time.Duration(float64(x) / scale).String() }
+	return []string{"--model", simModel, "--force-dummy-tokenizer", "--port", strconv.Itoa(port),
+		"--latency-calculator", "per-token", "--prefill-overhead", d(p.prefillOverhead),
+		"--prefill-time-per-token", d(p.perToken), "--inter-token-latency", d(p.itl),
+		"--time-factor-under-load", fmt.Sprint(p.loadFactor), "--max-num-seqs", strconv.Itoa(p.maxSeqs),
+		"--enable-kvcache", "--kv-cache-size", strconv.Itoa(p.kvBlocks), "--block-size", strconv.Itoa(p.blockSize),
+		"--max-model-len", "131072"}
+}
+
+// liveFleet is the workers of one run: sims on 127.0.0.1 ports, each
+// reached at its own loopback address on port 8000.
+type liveFleet struct {
+	sims  []*sim
+	hosts []string
+}
+
+func startLiveFleet(t *testing.T, n int, scale float64) *liveFleet {
+	t.Helper()
+	f := &liveFleet{}
+	for i := range n {
+		addr := freeAddr(t)
+		_, port, _ := net.SplitHostPort(addr)
+		f.sims = append(f.sims, runSim(t, addr, h100x8B.args(atoiLive(port), scale)))
+		fw, err := loopfwd.Listen(fmt.Sprintf("127.0.0.%d:8000", i+2), addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = fw.Close() })
+		f.hosts = append(f.hosts, fw.Addr())
+	}
+	return f
+}
+
+// prefixHitRate is the fleet's own prefix-cache hit rate, from the
+// workers' vllm:prefix_cache_hits_total and _queries_total.
+func (f *liveFleet) prefixHitRate(ctx context.Context) (float64, error) {
+	var hits, queries float64
+	for _, s := range f.sims {
+		samples, err := scrapeURL(ctx, "http://"+s.addr+"/metrics")
+		if err != nil {
+			return 0, err
+		}
+		// The sim's counters have no _total suffix (v0.10.2); vLLM's do.
+		hits += metric(samples, "vllm:prefix_cache_hits", nil) + metric(samples, "vllm:prefix_cache_hits_total", nil)
+		queries += metric(samples, "vllm:prefix_cache_queries", nil) + metric(samples, "vllm:prefix_cache_queries_total", nil)
+	}
+	if queries == 0 {
+		return 0, nil
+	}
+	return hits / queries, nil
+}
+
+// livePicker is the ext_proc server of one run; pid is 0 for one that runs
+// in the test process (round_robin), which has no CPU of its own. mode is
+// the request body mode envoysim uses with it.
+type livePicker struct {
+	addr string
+	pid  int
+	mode envoysim.BodyMode
+}
+
+// closeAtOnce is the round_robin picker: it ends every stream with gRPC OK
+// before any message, so envoysim, like Envoy, carries on without it and
+// balances over the cluster itself.
+type closeAtOnce struct {
+	extprocv3.UnimplementedExternalProcessorServer
+}
+
+func (closeAtOnce) Process(extprocv3.ExternalProcessor_ProcessServer) error { return nil }
+
+func startRoundRobin(t *testing.T) livePicker {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gs := grpc.NewServer()
+	extprocv3.RegisterExternalProcessorServer(gs, closeAtOnce{})
+	go gs.Serve(l)
+	t.Cleanup(gs.Stop)
+	// Headers only: the stream closes before any body byte went to it.
+	return livePicker{addr: l.Addr().String(), mode: envoysim.None}
+}
+
+func startLiveKvbandit(t *testing.T, hosts []string) livePicker {
+	t.Helper()
+	addr := freeAddr(t)
+	tok := filepath.Join(tokenizertest.Dir(t), "qwen3")
+	return startLiveProc(t, "kvbandit", addr, nil, cmp.Or(os.Getenv(envLiveBin), kvbanditBin), "serve", "--grpc-addr", addr,
+		"--health-addr", freeAddr(t), "--metrics-addr", "", "--endpoints", strings.Join(hosts, ","),
+		"--tokenizer", tok, "--log-level", "warn")
+}
+
+// startLiveGIE runs GIE's EPP v1.5.0 with its default scheduling profile
+// on an InferencePool of the fleet's addresses on a real kube-apiserver,
+// as make bench-vs-gie does.
+func startLiveGIE(t *testing.T, hosts []string) livePicker {
+	t.Helper()
+	c := kubeenv.Start(t)
+	const ns, pool = "default", "live-pool"
+	for i, h := range hosts {
+		ip, _, _ := net.SplitHostPort(h)
+		name := fmt.Sprintf("sim-%d", i)
+		c.CreatePod(t, ns, name, map[string]string{"app": "live"}, nil)
+		c.SetPodStatus(t, ns, name, ip, true)
+	}
+	addr, health := freeAddr(t), freeAddr(t)
+	_, port, _ := net.SplitHostPort(addr)
+	_, hp, _ := net.SplitHostPort(health)
+	u := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+		"metadata": map[string]any{"name": pool, "namespace": ns},
+		"spec": map[string]any{
+			"selector":          map[string]any{"matchLabels": map[string]any{"app": "live"}},
+			"targetPorts":       []any{map[string]any{"number": int64(8000)}},
+			"endpointPickerRef": map[string]any{"name": "epp", "port": map[string]any{"number": int64(atoiLive(port))}},
+		},
+	}}
+	gvr := schema.GroupVersionResource{Group: "inference.networking.k8s.io", Version: "v1", Resource: "inferencepools"}
+	if _, err := c.Dynamic(t).Resource(gvr).Namespace(ns).Create(t.Context(), u, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	env := []string{"POD_NAME=epp-5d8f7c9b4-x2k9p", "POD_NAMESPACE=" + ns, "KUBECONFIG=" + c.Kubeconfig(t, "admin")}
+	return startLiveProc(t, "gie", addr, env, os.Getenv(envLiveEPP), "--pool-name", pool, "--pool-namespace", ns,
+		"--secure-serving=false", "--tracing=false", "--metrics-endpoint-auth=false", "--grpc-port", port,
+		"--grpc-health-port", hp, "--metrics-port", strconv.Itoa(atoiLive(hp)+1))
+}
+
+// startLiveProc runs a picker process serving ext_proc on addr, stops it
+// at the end of the run (SIGTERM, SIGKILL after 30 s) and waits until it
+// answers ext_proc requests with a destination.
+func startLiveProc(t *testing.T, name, addr string, env []string, bin string, args ...string) livePicker {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
+	cmd.Env = append(os.Environ(), env...)
+	out := &syncBuffer{}
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-exited:
+		case <-time.After(30 * time.Second):
+			_ = cmd.Process.Kill()
+			<-exited
+		}
+		if t.Failed() {
+			t.Logf("%s output:\n%s", name, out)
+		}
+	})
+	waitPicking(t, name, addr, out)
+	return livePicker{addr: addr, pid: cmd.Process.Pid}
+}
+
+// liveRun is one picker's measurement of one workload, in the shape of
+// BENCH_LIVE_OUT.
+type liveRun struct {
+	Workload      string  `json:"workload"`
+	Picker        string  `json:"picker"`
+	Replicas      int     `json:"replicas"`
+	Requests      int     `json:"requests"`
+	Failed        int     `json:"failed"`
+	TTFTP50       float64 `json:"ttft_p50_s"`
+	TTFTP90       float64 `json:"ttft_p90_s"`
+	TTFTP99       float64 `json:"ttft_p99_s"`
+	ITLP90        float64 `json:"itl_p90_s"`
+	E2EP90        float64 `json:"e2e_p90_s"`
+	PrefixHitRate float64 `json:"prefix_hit_rate"`
+	CPUPerReq     float64 `json:"picker_cpu_s_per_req"`
+
+	// reqPerS and ttfts are in the deployment's time too.
+	reqPerS float64
+	ttfts   []time.Duration
+}
+
+// liveKnobs are the BENCH_LIVE_* settings.
+type liveKnobs struct {
+	// minutes is the Mooncake slice; scale the time compression; rate
+	// multiplies the arrival rate on top of it (the load).
+	minutes, scale, rate float64
+	limit                int
+	seed                 uint64
+	pickers              []string
+	out                  string
+	workers              int
+}
+
+func readLiveKnobs(t *testing.T) liveKnobs {
+	k := liveKnobs{minutes: 10, scale: 10, rate: 1, seed: 1, workers: 8, out: "bench-live.json",
+		pickers: []string{"round_robin", "kvbandit"}}
+	num := func(name string, dst *float64) {
+		if v := os.Getenv(name); v != "" {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil || f <= 0 {
+				t.Fatalf("%s=%q: want a positive number", name, v)
+			}
+			*dst = f
+		}
+	}
+	num("BENCH_LIVE_MINUTES", &k.minutes)
+	num("BENCH_LIVE_SCALE", &k.scale)
+	num("BENCH_LIVE_RATE", &k.rate)
+	if v := os.Getenv("BENCH_LIVE_LIMIT"); v != "" {
+		k.limit, _ = strconv.Atoi(v)
+	}
+	if v := os.Getenv("BENCH_LIVE_SEED"); v != "" {
+		k.seed, _ = strconv.ParseUint(v, 10, 64)
+	}
+	if v := os.Getenv("BENCH_LIVE_PICKERS"); v != "" {
+		k.pickers = strings.Split(v, ",")
+	}
+	for _, p := range k.pickers {
+		if !slices.Contains([]string{"round_robin", "kvbandit", "gie"}, p) {
+			t.Fatalf("BENCH_LIVE_PICKERS: %q is not wired yet (round_robin, kvbandit, gie)", p)
+		}
+	}
+	k.out = cmp.Or(os.Getenv("BENCH_LIVE_OUT"), k.out)
+	return k
+}
+
+// liveWorkloads are the workloads of issue 21: a slice of the Mooncake
+// conversation trace, and the agentic generator with and without hints.
+func liveWorkloads(t *testing.T, k liveKnobs) map[string]livebench.Workload {
+	t.Helper()
+	opt := livebench.Options{Window: time.Duration(k.minutes * float64(time.Minute)), RateScale: k.scale * cmp.Or(k.rate, 1),
+		Seed: k.seed, Limit: k.limit, Model: simModel}
+	out := map[string]livebench.Workload{}
+	root, err := repoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(filepath.Join(root, "..", "shared", "traces", "mooncake", "conversation_trace.jsonl"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if out["mooncake"], _, err = livebench.ReadMooncake(f, opt); err != nil {
+		t.Fatal(err)
+	}
+	// Half a session a second: about 5 requests a second in steady state, of
+	// some 2k-8k prompt tokens, within the fleet's prefill capacity (8 ×
+	// 4,000 tokens a second at 250 µs a token) once prefixes are reused.
+	ag := trace.AgenticConfig{Sessions: max(int(k.minutes*60*0.5), 1), SessionRate: 0.5, Turns: 6, ThinkTime: 10 * time.Second,
+		Seed: int64(k.seed), Model: simModel}
+	for _, strip := range []bool{false, true} {
+		o := opt
+		o.Window, o.StripHints = 0, strip
+		name := "agentic"
+		if strip {
+			name = "agentic-nohints"
+		}
+		if out[name], err = livebench.Agentic(ag, o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return out
+}
+
+func runLive(t *testing.T, k liveKnobs, wname, pname string, w livebench.Workload) liveRun {
+	fleet := startLiveFleet(t, k.workers, k.scale)
+	var p livePicker
+	switch pname {
+	case "round_robin":
+		p = startRoundRobin(t)
+	case "kvbandit":
+		p = startLiveKvbandit(t, fleet.hosts)
+	case "gie":
+		p = startLiveGIE(t, fleet.hosts)
+	}
+	px, err := envoysim.New(envoysim.Config{ExtProcAddr: p.addr, Hosts: fleet.hosts, DiscardHistory: true,
+		MessageTimeout: 10 * time.Second, RequestBodyMode: p.mode, ResponseBodyMode: p.mode})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := px.Start(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = px.Close() })
+	var before extprocload.Usage
+	if p.pid != 0 {
+		if before, err = extprocload.ReadUsage(p.pid); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c := &livebench.Client{URL: px.URL() + "/v1/chat/completions"}
+	run, err := c.Run(t.Context(), w.Requests)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := livebench.Summarize(run)
+	// Times are reported in the deployment's time: the run's × scale.
+	sec := func(ms float64) float64 { return ms / 1e3 * k.scale }
+	r := liveRun{Workload: wname, Picker: pname, Replicas: 1, Requests: s.Requests, Failed: s.Failed,
+		TTFTP50: sec(s.TTFTP50Ms), TTFTP90: sec(s.TTFTP90Ms), TTFTP99: sec(s.TTFTP99Ms),
+		ITLP90: sec(s.ITLP90Ms), E2EP90: sec(s.E2EP90Ms), reqPerS: s.RequestsPerS / k.scale}
+	for _, d := range livebench.TTFTs(run) {
+		r.ttfts = append(r.ttfts, time.Duration(float64(d)*k.scale))
+	}
+	if p.pid != 0 {
+		after, err := extprocload.ReadUsage(p.pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.CPUPerReq = (after.CPU - before.CPU).Seconds() / float64(max(s.Requests, 1))
+	}
+	if r.PrefixHitRate, err = fleet.prefixHitRate(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if s.Failed > 0 {
+		t.Errorf("%s on %s: %d of %d requests failed: %v", pname, wname, s.Failed, s.Requests, s.Failures)
+	}
+	return r
+}
+
+func reportLive(t *testing.T, k liveKnobs, names []string, runs []liveRun) {
+	if err := os.MkdirAll(filepath.Dir(k.out), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "\n%d workers modelling an 8B model on one H100 each (llm-d-inference-sim's 8b-h100 profile), time compressed %gx\n", k.workers, k.scale)
+	for _, wname := range names {
+		fmt.Fprintf(&b, "\n%s\n%-14s %9s %9s %9s %9s %9s %8s %7s %8s %12s\n", wname, "picker", "TTFT p50", "p90", "p99",
+			"ITL p90", "E2E p90", "req/s", "failed", "hit rate", "CPU ms/req")
+		var series []livebench.Series
+		for _, r := range runs {
+			if r.Workload != wname {
+				continue
+			}
+			sec := func(v float64) string {
+				return time.Duration(v * float64(time.Second)).Round(time.Millisecond).String()
+			}
+			fmt.Fprintf(&b, "%-14s %9s %9s %9s %9s %9s %8.1f %7d %7.1f%% %12.2f\n", r.Picker, sec(r.TTFTP50), sec(r.TTFTP90),
+				sec(r.TTFTP99), sec(r.ITLP90), sec(r.E2EP90), r.reqPerS, r.Failed, 100*r.PrefixHitRate, 1e3*r.CPUPerReq)
+			series = append(series, livebench.Series{Name: r.Picker, TTFT: r.ttfts})
+		}
+		if err := livebench.WriteTTFTCDF(strings.TrimSuffix(k.out, ".json")+"-"+wname+".png", series); err != nil {
+			t.Error(err)
+		}
+	}
+	t.Log(b.String())
+	js, err := json.MarshalIndent(map[string]any{"runs": runs}, "", "  ")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Dir(k.out), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(k.out, js, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func atoiLive(s string) int {
+	n, _ := strconv.Atoi(s)
+	return n
+}
+
+// TestBenchLiveSmoke runs the live benchmark small: two pickers, a minute
+// of each workload cut to 120 requests, time compressed 10x. It checks the
+// plumbing (every request answered, the report and its JSON written, the
+// workers' caches reused under kvbandit), not the ranking.
+func TestBenchLiveSmoke(t *testing.T) {
+	k := liveKnobs{minutes: 1, scale: 10, rate: 1, limit: 120, seed: 1, workers: 8,
+		pickers: []string{"round_robin", "kvbandit"}, out: filepath.Join(t.TempDir(), "bench-live.json")}
+	runs := benchLive(t, k)
+	if t.Failed() {
+		return
+	}
+	b, err := os.ReadFile(k.out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got struct {
+		Runs []liveRun `json:"runs"`
+	}
+	if err := json.Unmarshal(b, &got); err != nil {
+		t.Fatal(err)
+	}
+	if len(got.Runs) != 6 || len(runs) != 6 {
+		t.Fatalf("%d runs in %s, want 6 (3 workloads x 2 pickers)", len(got.Runs), k.out)
+	}
+	for _, r := range got.Runs {
+		if r.Requests == 0 || r.Failed != 0 || r.TTFTP50 <= 0 {
+			t.Errorf("%s/%s: %d requests, %d failed, TTFT p50 %vs", r.Workload, r.Picker, r.Requests, r.Failed, r.TTFTP50)
+		}
+		if r.Workload == "agentic" && r.Picker == "kvbandit" && r.PrefixHitRate <= 0 {
+			t.Errorf("agentic/kvbandit: the workers report no prefix-cache hit")
+		}
+	}
+	for _, w := range []string{"agentic", "agentic-nohints", "mooncake"} {
+		if _, err := os.Stat(strings.TrimSuffix(k.out, ".json") + "-" + w + ".png"); err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+// benchLive runs every workload through every picker (the order rotating
+// per workload), on a fresh fleet each time, and reports a table per
+// workload, k.out and a TTFT CDF per workload.
+func benchLive(t *testing.T, k liveKnobs) []liveRun {
+	workloads := liveWorkloads(t, k)
+	names := slices.Sorted(maps.Keys(workloads))
+	var runs []liveRun
+	for wi, wname := range names {
+		w := workloads[wname]
+		for pi := range k.pickers {
+			p := k.pickers[(pi+wi)%len(k.pickers)]
+			t.Run(wname+"/"+p, func(t *testing.T) {
+				runs = append(runs, runLive(t, k, wname, p, w))
+			})
+		}
+	}
+	reportLive(t, k, names, runs)
+	return runs
+}
