@@ -266,8 +266,10 @@ type liveKnobs struct {
 	limit                int
 	seed                 uint64
 	pickers              []string
-	out                  string
-	workers              int
+	// workloads keeps these workloads only (nil: all).
+	workloads []string
+	out       string
+	workers   int
 }
 
 func readLiveKnobs(t *testing.T) liveKnobs {
@@ -290,6 +292,9 @@ func readLiveKnobs(t *testing.T) liveKnobs {
 	}
 	if v := os.Getenv("BENCH_LIVE_SEED"); v != "" {
 		k.seed, _ = strconv.ParseUint(v, 10, 64)
+	}
+	if v := os.Getenv("BENCH_LIVE_WORKLOADS"); v != "" {
+		k.workloads = strings.Split(v, ",")
 	}
 	if v := os.Getenv("BENCH_LIVE_PICKERS"); v != "" {
 		k.pickers = strings.Split(v, ",")
@@ -485,6 +490,12 @@ func TestBenchLiveSmoke(t *testing.T) {
 func benchLive(t *testing.T, k liveKnobs) []liveRun {
 	workloads := liveWorkloads(t, k)
 	names := slices.Sorted(maps.Keys(workloads))
+	if k.workloads != nil {
+		names = slices.DeleteFunc(names, func(n string) bool { return !slices.Contains(k.workloads, n) })
+		if len(names) == 0 {
+			t.Fatalf("BENCH_LIVE_WORKLOADS=%s: none of agentic, agentic-nohints, mooncake", strings.Join(k.workloads, ","))
+		}
+	}
 	var runs []liveRun
 	for wi, wname := range names {
 		w := workloads[wname]
