@@ -266,6 +266,9 @@ type liveKnobs struct {
 	limit                int
 	seed                 uint64
 	pickers              []string
+	// idle is how long the picker is watched without traffic before a
+	// run (its background CPU, reported beside the run's).
+	idle time.Duration
 	// workloads keeps these workloads only (nil: all).
 	workloads []string
 	out       string
@@ -292,6 +295,13 @@ func readLiveKnobs(t *testing.T) liveKnobs {
 	}
 	if v := os.Getenv("BENCH_LIVE_SEED"); v != "" {
 		k.seed, _ = strconv.ParseUint(v, 10, 64)
+	}
+	if v := os.Getenv("BENCH_LIVE_IDLE"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d < 0 {
+			t.Fatalf("BENCH_LIVE_IDLE=%q: want a duration", v)
+		}
+		k.idle = d
 	}
 	if v := os.Getenv("BENCH_LIVE_WORKLOADS"); v != "" {
 		k.workloads = strings.Split(v, ",")
@@ -367,7 +377,11 @@ func runLive(t *testing.T, k liveKnobs, wname, pname string, w livebench.Workloa
 	}
 	t.Cleanup(func() { _ = px.Close() })
 	var before extprocload.Usage
+	idle := 0.0 // the picker's CPU share with no traffic (cores)
 	if p.pid != 0 {
+		if idle, err = idleCPU(p.pid, k.idle); err != nil {
+			t.Fatal(err)
+		}
 		if before, err = extprocload.ReadUsage(p.pid); err != nil {
 			t.Fatal(err)
 		}
@@ -392,6 +406,8 @@ func runLive(t *testing.T, k liveKnobs, wname, pname string, w livebench.Workloa
 			t.Fatal(err)
 		}
 		r.CPUPerReq = (after.CPU - before.CPU).Seconds() / float64(max(s.Requests, 1))
+		t.Logf("%s: %.3f cores idle before the run (%v), %.3f cores during it (%d requests in %v)", pname, idle, k.idle,
+			(after.CPU-before.CPU).Seconds()/run.Elapsed.Seconds(), s.Requests, run.Elapsed.Round(time.Second))
 	}
 	if r.PrefixHitRate, err = fleet.prefixHitRate(t.Context()); err != nil {
 		t.Fatal(err)
@@ -508,4 +524,22 @@ func benchLive(t *testing.T, k liveKnobs) []liveRun {
 	}
 	reportLive(t, k, names, runs)
 	return runs
+}
+
+// idleCPU is the CPU share (cores) process pid uses over d with no
+// traffic; 0 for d = 0.
+func idleCPU(pid int, d time.Duration) (float64, error) {
+	if d <= 0 {
+		return 0, nil
+	}
+	a, err := extprocload.ReadUsage(pid)
+	if err != nil {
+		return 0, err
+	}
+	time.Sleep(d)
+	b, err := extprocload.ReadUsage(pid)
+	if err != nil {
+		return 0, err
+	}
+	return (b.CPU - a.CPU).Seconds() / d.Seconds(), nil
 }
