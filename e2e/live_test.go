@@ -20,8 +20,10 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"maps"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -138,6 +140,8 @@ type livePicker struct {
 	addr string
 	pid  int
 	mode envoysim.BodyMode
+	// admin is kvbandit's admin address when it is profiled.
+	admin string
 }
 
 // closeAtOnce is the round_robin picker: it ends every stream with gRPC OK
@@ -163,13 +167,43 @@ func startRoundRobin(t *testing.T) livePicker {
 	return livePicker{addr: l.Addr().String(), mode: envoysim.None}
 }
 
-func startLiveKvbandit(t *testing.T, hosts []string) livePicker {
+func startLiveKvbandit(t *testing.T, hosts []string, admin string) livePicker {
 	t.Helper()
 	addr := freeAddr(t)
 	tok := filepath.Join(tokenizertest.Dir(t), "qwen3")
-	return startLiveProc(t, "kvbandit", addr, nil, cmp.Or(os.Getenv(envLiveBin), kvbanditBin), "serve", "--grpc-addr", addr,
-		"--health-addr", freeAddr(t), "--metrics-addr", "", "--endpoints", strings.Join(hosts, ","),
-		"--tokenizer", tok, "--log-level", "warn")
+	args := []string{"serve", "--grpc-addr", addr, "--health-addr", freeAddr(t), "--metrics-addr", admin,
+		"--endpoints", strings.Join(hosts, ","), "--tokenizer", tok, "--log-level", "warn"}
+	if admin != "" {
+		args = append(args, "--pprof")
+	}
+	p := startLiveProc(t, "kvbandit", addr, nil, cmp.Or(os.Getenv(envLiveBin), kvbanditBin), args...)
+	p.admin = admin
+	return p
+}
+
+// profileCPU writes a CPU profile of the picker's next d to path
+// (BENCH_LIVE_PPROF), from its admin port's /debug/pprof/profile.
+func profileCPU(t *testing.T, admin string, d time.Duration, path string) {
+	url := fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", admin, max(int(d.Seconds()), 1))
+	resp, err := (&http.Client{Timeout: d + time.Minute}).Get(url)
+	if err != nil {
+		t.Errorf("profile: %v", err)
+		return
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err == nil && resp.StatusCode == http.StatusOK {
+		if err = os.MkdirAll(filepath.Dir(path), 0o755); err == nil {
+			err = os.WriteFile(path, b, 0o644)
+		}
+	} else if err == nil {
+		err = fmt.Errorf("%s", resp.Status)
+	}
+	if err != nil {
+		t.Errorf("profile: %v", err)
+		return
+	}
+	t.Logf("CPU profile of %v written to %s (go tool pprof -top %s)", d, path, path)
 }
 
 // startLiveGIE runs GIE's EPP v1.5.0 with its default scheduling profile
@@ -266,6 +300,9 @@ type liveKnobs struct {
 	limit                int
 	seed                 uint64
 	pickers              []string
+	// pprof, when set, makes kvbandit's runs write a CPU profile beside
+	// out (BENCH_LIVE_PPROF=1).
+	pprof string
 	// idle is how long the picker is watched without traffic before a
 	// run (its background CPU, reported beside the run's).
 	idle time.Duration
@@ -296,6 +333,7 @@ func readLiveKnobs(t *testing.T) liveKnobs {
 	if v := os.Getenv("BENCH_LIVE_SEED"); v != "" {
 		k.seed, _ = strconv.ParseUint(v, 10, 64)
 	}
+	k.pprof = os.Getenv("BENCH_LIVE_PPROF")
 	if v := os.Getenv("BENCH_LIVE_IDLE"); v != "" {
 		d, err := time.ParseDuration(v)
 		if err != nil || d < 0 {
@@ -363,7 +401,11 @@ func runLive(t *testing.T, k liveKnobs, wname, pname string, w livebench.Workloa
 	case "round_robin":
 		p = startRoundRobin(t)
 	case "kvbandit":
-		p = startLiveKvbandit(t, fleet.hosts)
+		admin := ""
+		if k.pprof != "" {
+			admin = freeAddr(t)
+		}
+		p = startLiveKvbandit(t, fleet.hosts, admin)
 	case "gie":
 		p = startLiveGIE(t, fleet.hosts)
 	}
@@ -387,7 +429,17 @@ func runLive(t *testing.T, k liveKnobs, wname, pname string, w livebench.Workloa
 		}
 	}
 	c := &livebench.Client{URL: px.URL() + "/v1/chat/completions"}
+	profiled := make(chan struct{})
+	if p.admin != "" {
+		go func() {
+			defer close(profiled)
+			profileCPU(t, p.admin, w.Span()*9/10, strings.TrimSuffix(k.out, ".json")+"-"+wname+"-"+pname+".pprof")
+		}()
+	} else {
+		close(profiled)
+	}
 	run, err := c.Run(t.Context(), w.Requests)
+	<-profiled
 	if err != nil {
 		t.Fatal(err)
 	}
