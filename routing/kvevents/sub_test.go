@@ -247,8 +247,16 @@ func TestQueueOverflowDrops(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	close(r.block)
-	send(t, pub, storedMsg(t, seq+5, 1, nil)) // certainly after a gap
-	eventually(t, "gap after drops", func() bool { return s.Stats().Gaps >= 1 && !s.Stats().Trusted })
+	// Messages after a gap, one at a time until the subscriber sees it: one
+	// sent while the queue is still full is dropped too, and only a message
+	// that arrives shows the gap.
+	next := seq + 5
+	eventually(t, "gap after drops", func() bool {
+		send(t, pub, storedMsg(t, next, 1, nil))
+		next++
+		time.Sleep(time.Millisecond)
+		return s.Stats().Gaps >= 1 && !s.Stats().Trusted
+	})
 	if _, _, resyncs := r.snapshot(); resyncs == 0 {
 		t.Error("no resync after drops")
 	}
