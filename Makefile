@@ -135,11 +135,12 @@ fuzz: ## run every Fuzz target in the tree for FUZZTIME each (default 20s); a cr
 	for pkg in $$pkgs; do \
 	  for f in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
 	    echo "== $$pkg $$f ($(FUZZTIME))"; \
-	    $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) $$pkg || \
-	    { test -z "$$(git status --porcelain -- $$pkg/testdata/fuzz/$$f 2>/dev/null)" && \
-	      echo "fuzz: $$pkg $$f stopped without saving a failing input (the fuzzer's own end-of-run deadline); running it once more" && \
-	      $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) $$pkg; } || \
-	    { echo "fuzz: $$pkg $$f failed; the failing input is in $$pkg/testdata/fuzz/$$f/ (commit it as a regression)"; exit 1; }; \
+	    ok=; for try in 1 2 3; do \
+	      if $(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) $$pkg; then ok=1; break; fi; \
+	      test -z "$$(git status --porcelain -- $$pkg/testdata/fuzz/$$f 2>/dev/null)" || break; \
+	      echo "fuzz: $$pkg $$f stopped without saving a failing input (the fuzzer's own end-of-run deadline, try $$try of 3)"; \
+	    done; \
+	    test -n "$$ok" || { echo "fuzz: $$pkg $$f failed; a failing input, if saved, is in $$pkg/testdata/fuzz/$$f/ (commit it as a regression)"; exit 1; }; \
 	  done; \
 	done
 
