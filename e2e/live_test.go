@@ -9,11 +9,13 @@ package e2e
 // through each picker in turn, the fleet restarted before each run so that
 // every picker starts on cold caches.
 //
-// Pickers so far: round_robin (envoysim's own balancing: the ext_proc
-// server closes every stream at once), kvbandit (defaults, with the Qwen3
-// tokenizer) and gie (GIE's EPP v1.5.0 on an InferencePool). llm-d's EPP
-// and the replicated rows are not wired yet (see docs/llmd-epp.md for
-// what llm-d's EPP needs here).
+// Pickers: round_robin (envoysim's own balancing: the ext_proc server
+// closes every stream at once), kvbandit (defaults, with the Qwen3
+// tokenizer), kvbandit-x3 (three replicas synced over a real
+// nats-server), gie and gie-x3 (GIE's EPP v1.5.0 on an InferencePool, one
+// or three replicas each with its own state). With several replicas each
+// has its own envoysim and every request enters through one of them at
+// random.
 
 import (
 	"cmp"
@@ -45,6 +47,7 @@ import (
 	"github.com/kvbandit/kvbandit/e2e/livebench"
 	"github.com/kvbandit/kvbandit/e2e/loopfwd"
 	"github.com/kvbandit/kvbandit/internal/testenv/kubeenv"
+	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 	"github.com/kvbandit/kvbandit/routing/sim/trace"
 	"github.com/kvbandit/kvbandit/tokenizer/tokenizertest"
 )
@@ -133,15 +136,37 @@ func (f *liveFleet) prefixHitRate(ctx context.Context) (float64, error) {
 	return hits / queries, nil
 }
 
-// livePicker is the ext_proc server of one run; pid is 0 for one that runs
-// in the test process (round_robin), which has no CPU of its own. mode is
-// the request body mode envoysim uses with it.
+// livePicker is the ext_proc servers of one run: one address per replica,
+// each behind its own envoysim, and the processes whose CPU is the
+// picker's (none for round_robin, which runs in the test process; the
+// nats-server too for kvbandit-x3). mode is the body mode envoysim uses
+// with it.
 type livePicker struct {
-	addr string
-	pid  int
-	mode envoysim.BodyMode
+	addrs []string
+	pids  []int
+	mode  envoysim.BodyMode
 	// admin is kvbandit's admin address when it is profiled.
 	admin string
+}
+
+// join adds q's replicas and processes to p.
+func (p *livePicker) join(q livePicker) {
+	p.addrs = append(p.addrs, q.addrs...)
+	p.pids = append(p.pids, q.pids...)
+	p.mode = q.mode
+}
+
+// cpu is the CPU time the picker's processes have used so far.
+func (p livePicker) cpu() (time.Duration, error) {
+	var sum time.Duration
+	for _, pid := range p.pids {
+		u, err := extprocload.ReadUsage(pid)
+		if err != nil {
+			return 0, err
+		}
+		sum += u.CPU
+	}
+	return sum, nil
 }
 
 // closeAtOnce is the round_robin picker: it ends every stream with gRPC OK
@@ -164,20 +189,55 @@ func startRoundRobin(t *testing.T) livePicker {
 	go gs.Serve(l)
 	t.Cleanup(gs.Stop)
 	// Headers only: the stream closes before any body byte went to it.
-	return livePicker{addr: l.Addr().String(), mode: envoysim.None}
+	return livePicker{addrs: []string{l.Addr().String()}, mode: envoysim.None}
 }
 
-func startLiveKvbandit(t *testing.T, hosts []string, admin string) livePicker {
+// startLiveKvbandit runs kvbandit with its defaults and the Qwen3
+// tokenizer; admin is its admin address ("" for none), served with
+// --pprof when pprof is set; extra flags follow.
+func startLiveKvbandit(t *testing.T, hosts []string, admin string, pprof bool, extra ...string) livePicker {
 	t.Helper()
 	addr := freeAddr(t)
 	tok := filepath.Join(tokenizertest.Dir(t), "qwen3")
 	args := []string{"serve", "--grpc-addr", addr, "--health-addr", freeAddr(t), "--metrics-addr", admin,
 		"--endpoints", strings.Join(hosts, ","), "--tokenizer", tok, "--log-level", "warn"}
-	if admin != "" {
+	if pprof {
 		args = append(args, "--pprof")
 	}
-	p := startLiveProc(t, "kvbandit", addr, nil, cmp.Or(os.Getenv(envLiveBin), kvbanditBin), args...)
-	p.admin = admin
+	p := startLiveProc(t, "kvbandit", addr, nil, cmp.Or(os.Getenv(envLiveBin), kvbanditBin), append(args, extra...)...)
+	if pprof {
+		p.admin = admin
+	}
+	return p
+}
+
+// startLiveKvbanditSynced runs n kvbandit replicas synced over a real
+// nats-server (anonymous, loopback), and waits until each hears the
+// others. The nats-server's CPU counts as the picker's.
+func startLiveKvbanditSynced(t *testing.T, hosts []string, n int) livePicker {
+	t.Helper()
+	ns := natsenv.Start(t, natsenv.Options{})
+	p := livePicker{pids: []int{ns.PID()}}
+	var reps []*kvb
+	for i := range n {
+		admin := freeAddr(t)
+		p.join(startLiveKvbandit(t, hosts, admin, false, "--sync-nats", ns.URL(), "--replica-id", fmt.Sprintf("live-%d", i)))
+		reps = append(reps, &kvb{metricsAddr: admin})
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	for i, k := range reps {
+		err := poll(ctx, func() (bool, string) {
+			st, err := k.replicaStatus(ctx)
+			if err != nil {
+				return false, err.Error()
+			}
+			return st.Connected && len(st.Peers) == n-1, fmt.Sprintf("replica %d: connected %v, %d peers", i, st.Connected, len(st.Peers))
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
 	return p
 }
 
@@ -206,10 +266,11 @@ func profileCPU(t *testing.T, admin string, d time.Duration, path string) {
 	t.Logf("CPU profile of %v written to %s (go tool pprof -top %s)", d, path, path)
 }
 
-// startLiveGIE runs GIE's EPP v1.5.0 with its default scheduling profile
-// on an InferencePool of the fleet's addresses on a real kube-apiserver,
-// as make bench-vs-gie does.
-func startLiveGIE(t *testing.T, hosts []string) livePicker {
+// startLiveGIE runs n replicas of GIE's EPP v1.5.0 with its default
+// scheduling profile on one InferencePool of the fleet's addresses on a
+// real kube-apiserver, as make bench-vs-gie does; each replica keeps its
+// own state, as GIE runs them today.
+func startLiveGIE(t *testing.T, hosts []string, n int) livePicker {
 	t.Helper()
 	c := kubeenv.Start(t)
 	const ns, pool = "default", "live-pool"
@@ -219,26 +280,34 @@ func startLiveGIE(t *testing.T, hosts []string) livePicker {
 		c.CreatePod(t, ns, name, map[string]string{"app": "live"}, nil)
 		c.SetPodStatus(t, ns, name, ip, true)
 	}
-	addr, health := freeAddr(t), freeAddr(t)
-	_, port, _ := net.SplitHostPort(addr)
-	_, hp, _ := net.SplitHostPort(health)
+	// The pool's picker reference is what a gateway would dial; the EPPs
+	// below listen on ports of their own.
 	u := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
 		"metadata": map[string]any{"name": pool, "namespace": ns},
 		"spec": map[string]any{
 			"selector":          map[string]any{"matchLabels": map[string]any{"app": "live"}},
 			"targetPorts":       []any{map[string]any{"number": int64(8000)}},
-			"endpointPickerRef": map[string]any{"name": "epp", "port": map[string]any{"number": int64(atoiLive(port))}},
+			"endpointPickerRef": map[string]any{"name": "epp", "port": map[string]any{"number": int64(9002)}},
 		},
 	}}
 	gvr := schema.GroupVersionResource{Group: "inference.networking.k8s.io", Version: "v1", Resource: "inferencepools"}
 	if _, err := c.Dynamic(t).Resource(gvr).Namespace(ns).Create(t.Context(), u, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	env := []string{"POD_NAME=epp-5d8f7c9b4-x2k9p", "POD_NAMESPACE=" + ns, "KUBECONFIG=" + c.Kubeconfig(t, "admin")}
-	return startLiveProc(t, "gie", addr, env, os.Getenv(envLiveEPP), "--pool-name", pool, "--pool-namespace", ns,
-		"--secure-serving=false", "--tracing=false", "--metrics-endpoint-auth=false", "--grpc-port", port,
-		"--grpc-health-port", hp, "--metrics-port", strconv.Itoa(atoiLive(hp)+1))
+	var p livePicker
+	for i := range n {
+		addr, health, metrics := freeAddr(t), freeAddr(t), freeAddr(t)
+		_, port, _ := net.SplitHostPort(addr)
+		_, hp, _ := net.SplitHostPort(health)
+		_, mp, _ := net.SplitHostPort(metrics)
+		// A pod name in a Deployment's form, one per replica.
+		env := []string{fmt.Sprintf("POD_NAME=epp-5d8f7c9b4-x2k9%c", 'p'+i), "POD_NAMESPACE=" + ns, "KUBECONFIG=" + c.Kubeconfig(t, "admin")}
+		p.join(startLiveProc(t, "gie", addr, env, os.Getenv(envLiveEPP), "--pool-name", pool, "--pool-namespace", ns,
+			"--secure-serving=false", "--tracing=false", "--metrics-endpoint-auth=false", "--grpc-port", port,
+			"--grpc-health-port", hp, "--metrics-port", mp))
+	}
+	return p
 }
 
 // startLiveProc runs a picker process serving ext_proc on addr, stops it
@@ -268,7 +337,7 @@ func startLiveProc(t *testing.T, name, addr string, env []string, bin string, ar
 		}
 	})
 	waitPicking(t, name, addr, out)
-	return livePicker{addr: addr, pid: cmd.Process.Pid}
+	return livePicker{addrs: []string{addr}, pids: []int{cmd.Process.Pid}}
 }
 
 // liveRun is one picker's measurement of one workload, in the shape of
@@ -291,6 +360,9 @@ type liveRun struct {
 	reqPerS float64
 	ttfts   []time.Duration
 }
+
+// livePickers are the pickers a run can compare.
+var livePickers = []string{"round_robin", "kvbandit", "kvbandit-x3", "gie", "gie-x3"}
 
 // liveKnobs are the BENCH_LIVE_* settings.
 type liveKnobs struct {
@@ -348,8 +420,8 @@ func readLiveKnobs(t *testing.T) liveKnobs {
 		k.pickers = strings.Split(v, ",")
 	}
 	for _, p := range k.pickers {
-		if !slices.Contains([]string{"round_robin", "kvbandit", "gie"}, p) {
-			t.Fatalf("BENCH_LIVE_PICKERS: %q is not wired yet (round_robin, kvbandit, gie)", p)
+		if !slices.Contains(livePickers, p) {
+			t.Fatalf("BENCH_LIVE_PICKERS: %q is none of %s", p, strings.Join(livePickers, ", "))
 		}
 	}
 	k.out = cmp.Or(os.Getenv("BENCH_LIVE_OUT"), k.out)
@@ -405,30 +477,38 @@ func runLive(t *testing.T, k liveKnobs, wname, pname string, w livebench.Workloa
 		if k.pprof != "" {
 			admin = freeAddr(t)
 		}
-		p = startLiveKvbandit(t, fleet.hosts, admin)
+		p = startLiveKvbandit(t, fleet.hosts, admin, admin != "")
+	case "kvbandit-x3":
+		p = startLiveKvbanditSynced(t, fleet.hosts, 3)
 	case "gie":
-		p = startLiveGIE(t, fleet.hosts)
+		p = startLiveGIE(t, fleet.hosts, 1)
+	case "gie-x3":
+		p = startLiveGIE(t, fleet.hosts, 3)
 	}
-	px, err := envoysim.New(envoysim.Config{ExtProcAddr: p.addr, Hosts: fleet.hosts, DiscardHistory: true,
-		MessageTimeout: 10 * time.Second, RequestBodyMode: p.mode, ResponseBodyMode: p.mode})
+	// One envoysim per replica: each request enters through one of them
+	// at random (livebench.Client.URLs).
+	var urls []string
+	for _, addr := range p.addrs {
+		px, err := envoysim.New(envoysim.Config{ExtProcAddr: addr, Hosts: fleet.hosts, DiscardHistory: true,
+			MessageTimeout: 10 * time.Second, RequestBodyMode: p.mode, ResponseBodyMode: p.mode})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := px.Start(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = px.Close() })
+		urls = append(urls, px.URL()+"/v1/chat/completions")
+	}
+	idle, err := idleCPU(p, k.idle) // the picker's CPU share with no traffic (cores)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := px.Start(t.Context()); err != nil {
+	before, err := p.cpu()
+	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = px.Close() })
-	var before extprocload.Usage
-	idle := 0.0 // the picker's CPU share with no traffic (cores)
-	if p.pid != 0 {
-		if idle, err = idleCPU(p.pid, k.idle); err != nil {
-			t.Fatal(err)
-		}
-		if before, err = extprocload.ReadUsage(p.pid); err != nil {
-			t.Fatal(err)
-		}
-	}
-	c := &livebench.Client{URL: px.URL() + "/v1/chat/completions"}
+	c := &livebench.Client{URLs: urls, Seed: k.seed}
 	profiled := make(chan struct{})
 	if p.admin != "" {
 		go func() {
@@ -446,20 +526,20 @@ func runLive(t *testing.T, k liveKnobs, wname, pname string, w livebench.Workloa
 	s := livebench.Summarize(run)
 	// Times are reported in the deployment's time: the run's × scale.
 	sec := func(ms float64) float64 { return ms / 1e3 * k.scale }
-	r := liveRun{Workload: wname, Picker: pname, Replicas: 1, Requests: s.Requests, Failed: s.Failed,
+	r := liveRun{Workload: wname, Picker: pname, Replicas: len(p.addrs), Requests: s.Requests, Failed: s.Failed,
 		TTFTP50: sec(s.TTFTP50Ms), TTFTP90: sec(s.TTFTP90Ms), TTFTP99: sec(s.TTFTP99Ms),
 		ITLP90: sec(s.ITLP90Ms), E2EP90: sec(s.E2EP90Ms), reqPerS: s.RequestsPerS / k.scale}
 	for _, d := range livebench.TTFTs(run) {
 		r.ttfts = append(r.ttfts, time.Duration(float64(d)*k.scale))
 	}
-	if p.pid != 0 {
-		after, err := extprocload.ReadUsage(p.pid)
+	if len(p.pids) > 0 {
+		after, err := p.cpu()
 		if err != nil {
 			t.Fatal(err)
 		}
-		r.CPUPerReq = (after.CPU - before.CPU).Seconds() / float64(max(s.Requests, 1))
+		r.CPUPerReq = (after - before).Seconds() / float64(max(s.Requests, 1))
 		t.Logf("%s: %.3f cores idle before the run (%v), %.3f cores during it (%d requests in %v)", pname, idle, k.idle,
-			(after.CPU-before.CPU).Seconds()/run.Elapsed.Seconds(), s.Requests, run.Elapsed.Round(time.Second))
+			(after-before).Seconds()/run.Elapsed.Seconds(), s.Requests, run.Elapsed.Round(time.Second))
 	}
 	if r.PrefixHitRate, err = fleet.prefixHitRate(t.Context()); err != nil {
 		t.Fatal(err)
@@ -578,20 +658,20 @@ func benchLive(t *testing.T, k liveKnobs) []liveRun {
 	return runs
 }
 
-// idleCPU is the CPU share (cores) process pid uses over d with no
-// traffic; 0 for d = 0.
-func idleCPU(pid int, d time.Duration) (float64, error) {
-	if d <= 0 {
+// idleCPU is the CPU share (cores) the picker's processes use over d
+// with no traffic; 0 for d = 0.
+func idleCPU(p livePicker, d time.Duration) (float64, error) {
+	if d <= 0 || len(p.pids) == 0 {
 		return 0, nil
 	}
-	a, err := extprocload.ReadUsage(pid)
+	a, err := p.cpu()
 	if err != nil {
 		return 0, err
 	}
 	time.Sleep(d)
-	b, err := extprocload.ReadUsage(pid)
+	b, err := p.cpu()
 	if err != nil {
 		return 0, err
 	}
-	return (b.CPU - a.CPU).Seconds() / d.Seconds(), nil
+	return (b - a).Seconds() / d.Seconds(), nil
 }

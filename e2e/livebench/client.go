@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net/http"
 	"sync"
 	"time"
@@ -77,6 +78,13 @@ type Client struct {
 	// URL is the chat completions endpoint, e.g.
 	// http://127.0.0.1:8080/v1/chat/completions.
 	URL string
+	// URLs, when set instead of URL, are several entries to the same
+	// fleet (one proxy per picker replica): each request goes to one of
+	// them at random, the same one for the same request index and Seed
+	// in every run.
+	URLs []string
+	// Seed chooses the entry of each request among URLs.
+	Seed uint64
 	// HTTP sends the requests; nil uses a client whose transport keeps up
 	// to MaxInFlight idle connections and does not ask for compression.
 	HTTP *http.Client
@@ -138,8 +146,8 @@ type Run struct {
 // flight, and returns their results (unsent and interrupted requests
 // fail with ReasonCanceled) with ctx's error.
 func (c *Client) Run(ctx context.Context, reqs []Request) (Run, error) {
-	if c.URL == "" {
-		return Run{}, errors.New("livebench: no URL")
+	if (c.URL == "") == (len(c.URLs) == 0) {
+		return Run{}, errors.New("livebench: want URL or URLs")
 	}
 	clk := c.Clock
 	if clk == nil {
@@ -185,6 +193,14 @@ func (c *Client) Run(ctx context.Context, reqs []Request) (Run, error) {
 	return Run{Start: start, Elapsed: clk.Now().Sub(start), Results: results}, ctx.Err()
 }
 
+// entry is the URL request index i is sent to.
+func (c *Client) entry(i int) string {
+	if len(c.URLs) == 0 {
+		return c.URL
+	}
+	return c.URLs[rand.New(rand.NewPCG(c.Seed, uint64(i))).IntN(len(c.URLs))]
+}
+
 func newHTTPClient(conns int) *http.Client {
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	tr.MaxIdleConns = conns
@@ -208,7 +224,7 @@ func (c *Client) send(ctx context.Context, hc *http.Client, clk Clock, start tim
 		res.fail(ReasonTransport, "encoding the body: "+err.Error())
 		return
 	}
-	req, err := http.NewRequestWithContext(rctx, http.MethodPost, c.URL, bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(rctx, http.MethodPost, c.entry(r.Index), bytes.NewReader(body))
 	if err != nil {
 		res.fail(ReasonTransport, err.Error())
 		return

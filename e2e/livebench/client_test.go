@@ -316,3 +316,41 @@ func TestClockInjected(t *testing.T) {
 		t.Errorf("start %v, elapsed %v", run.Start, run.Elapsed)
 	}
 }
+
+// TestEntries: with several URLs each request goes to one of them, every
+// entry gets some of the requests, and the same seed sends the same
+// request to the same entry again.
+func TestEntries(t *testing.T) {
+	var servers []*sseServer
+	var urls []string
+	for range 3 {
+		s := newSSEServer(t)
+		servers = append(servers, s)
+		urls = append(urls, s.URL)
+	}
+	at := make([]time.Duration, 30)
+	c := &Client{URLs: urls, Seed: 7}
+	if _, err := c.Run(context.Background(), work(at)); err != nil {
+		t.Fatal(err)
+	}
+	counts := make([]int, len(servers))
+	for i, s := range servers {
+		s.mu.Lock()
+		counts[i] = len(s.arrivals)
+		s.mu.Unlock()
+		if counts[i] == 0 {
+			t.Errorf("entry %d got no request of 30: %v", i, counts)
+		}
+	}
+	if counts[0]+counts[1]+counts[2] != 30 {
+		t.Errorf("entries got %v requests, want 30 in all", counts)
+	}
+	for i := range 30 {
+		if c.entry(i) != (&Client{URLs: urls, Seed: 7}).entry(i) {
+			t.Fatalf("request %d: a different entry with the same seed", i)
+		}
+	}
+	if _, err := (&Client{URL: "x", URLs: urls}).Run(context.Background(), nil); err == nil {
+		t.Error("URL and URLs together: no error")
+	}
+}
