@@ -59,7 +59,8 @@ type benchOptions struct {
 	agentic                                           trace.AgenticConfig
 	replicas                                          int
 	sync                                              string
-	syncDelay, scrapeInterval                         time.Duration
+	syncDelay                                         time.Duration
+	scrape                                            scrapeFlag
 	objective                                         objectiveOptions
 	speedSchedule                                     string
 	tier                                              benchTier
@@ -89,7 +90,7 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.replicas, "replicas", 1, fmt.Sprintf("pickers: independent routing engines in front of the fleet, each request entering through one at random (1 to %d)", sim.MaxReplicas))
 	fs.StringVar(&o.sync, "sync", "none", "what the replicas share: none, or nats (a model of serve --sync-nats: every decision's start, first token, end and outcome applied on the other replicas after --sync-delay)")
 	fs.DurationVar(&o.syncDelay, "sync-delay", sim.DefaultSyncDelay, "--sync nats: publish-to-apply latency, in virtual time")
-	fs.DurationVar(&o.scrapeInterval, "scrape-interval", 0, "how often the workers' load reaches the engines (serve scrapes every 1s); 0: after every change")
+	fs.Var(&o.scrape, "scrape-interval", fmt.Sprintf("how often the workers' load reaches the engines; 0: after every change (default: as each is deployed: weighted every %v, GIE's EPP --refresh-metrics-interval; the others every %v, as serve scrapes)", gieScrapeInterval, serveScrapeInterval))
 	o.objective.addFlags(fs)
 	o.tier.addFlags(fs)
 	o.pd.addFlags(fs)
@@ -134,8 +135,8 @@ func (o *benchOptions) validate() ([]float64, error) {
 	if o.syncDelay < 0 || o.syncDelay > sim.MaxSyncDelay {
 		return nil, fmt.Errorf("--sync-delay %v: want 0 to %v", o.syncDelay, sim.MaxSyncDelay)
 	}
-	if o.scrapeInterval < 0 || o.scrapeInterval > time.Hour {
-		return nil, fmt.Errorf("--scrape-interval %v: want 0 to 1h", o.scrapeInterval)
+	if d := o.scrape.d; o.scrape.set && (d < 0 || d > time.Hour) {
+		return nil, fmt.Errorf("--scrape-interval %v: want 0 to 1h", d)
 	}
 	if _, _, err := o.objective.validate(); err != nil {
 		return nil, err
@@ -271,7 +272,7 @@ func (o *benchOptions) report(desc string, requests int, speeds []float64, bound
 	rep := &benchReport{
 		Trace: desc, Format: o.format, Requests: requests, Workers: o.workers, SpeedFactors: speeds,
 		RateScale: o.effectiveRateScale(), KVBlocks: o.kvBlocks, BlockSize: o.blockSize, RouterBlockSize: o.routerBlock,
-		KVEvents: o.kvEvents, Seed: o.seed, ScrapeIntervalSec: o.scrapeInterval.Seconds(), SpeedSchedule: o.speedSchedule,
+		KVEvents: o.kvEvents, Seed: o.seed, ScrapeIntervalSec: o.scrape.d.Seconds(), ScrapeAsDeployed: !o.scrape.set, SpeedSchedule: o.speedSchedule,
 		Bounds: benchBounds{Infinite: bounds.Infinite, Finite: bounds.Finite, FiniteCapacityTokens: int64(bounds.CapacityBlocks) * int64(bounds.BlockSize), PromptTokens: bounds.PromptTokens},
 	}
 	if o.replicas > 1 {
@@ -296,7 +297,7 @@ func (o *benchOptions) replay(ctx context.Context, stderr io.Writer, runs []benc
 		return sim.Config{
 			Roles: runs[i].roles, PD: runs[i].pd, Transfer: o.pd.transfer(),
 			Workers: workers, Policy: runs[i].policy, Policies: cfg.Policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger,
-			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrapeInterval, TierWeights: cfg.TierWeights,
+			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrape.interval(runs[i].policy), TierWeights: cfg.TierWeights,
 			SLO:      slo.Config{Headroom: o.objective.headroom, Off: o.objective.off},
 			Schedule: schedule,
 			Progress: prog.arrivedFunc(i),

@@ -30,8 +30,11 @@ type benchReport struct {
 	RouterBlockSize int       `json:"router_block_size"`
 	KVEvents        bool      `json:"kv_events"`
 	Seed            int64     `json:"seed"`
-	// ScrapeIntervalSec is --scrape-interval (0: load after every change).
+	// ScrapeIntervalSec is --scrape-interval (0: load after every change);
+	// ScrapeAsDeployed is true without the flag: each policy's load comes
+	// as often as its deployment scrapes it (scrapeFlag.interval).
 	ScrapeIntervalSec float64 `json:"scrape_interval_s,omitempty"`
+	ScrapeAsDeployed  bool    `json:"scrape_as_deployed,omitempty"`
 	SpeedSchedule     string  `json:"speed_schedule,omitempty"`
 	// Replicas, Sync and SyncDelaySec are --replicas, --sync and
 	// --sync-delay, with several replicas only (one replica is the run
@@ -213,7 +216,10 @@ func (rep *benchReport) printHeader(w io.Writer) {
 	if rep.SpeedSchedule != "" {
 		fmt.Fprintf(w, "speed schedule %s\n", rep.SpeedSchedule)
 	}
-	if rep.ScrapeIntervalSec > 0 {
+	switch {
+	case rep.ScrapeAsDeployed:
+		fmt.Fprintf(w, "load scraped as deployed: weighted every %v (GIE's EPP), the others every %v (serve)\n", gieScrapeInterval, serveScrapeInterval)
+	case rep.ScrapeIntervalSec > 0:
 		fmt.Fprintf(w, "load scraped every %v\n", time.Duration(rep.ScrapeIntervalSec*float64(time.Second)))
 	}
 	fmt.Fprint(w, rep.tierLine())
