@@ -110,7 +110,7 @@ bench-vs-gie: fixtures tools tools-gie ## the floor picker, kvbandit (with and w
 	$(GO) test -tags gie -count=1 -run BenchVsGIE -v -timeout 30m ./e2e/
 
 .PHONY: bench-live
-bench-live: fixtures tools ## live benchmark: the Mooncake and agentic workloads as streaming chat through envoysim on 8 llm-d-inference-sim workers (8B/H100 profile), per picker on a fresh fleet (BENCH_LIVE_MINUTES=10 BENCH_LIVE_SCALE=10 BENCH_LIVE_RATE=1 BENCH_LIVE_PICKERS=round_robin,kvbandit[,gie] BENCH_LIVE_WORKLOADS BENCH_LIVE_LIMIT BENCH_LIVE_SEED BENCH_LIVE_OUT=bench-live.json); not CI, work in progress (issue 21)
+bench-live: fixtures tools ## live benchmark: the Mooncake and agentic workloads as streaming chat through envoysim on 8 llm-d-inference-sim workers (8B/H100 profile), per picker on a fresh fleet (BENCH_LIVE_MINUTES=10 BENCH_LIVE_SCALE=10 BENCH_LIVE_RATE=1 BENCH_LIVE_PICKERS=round_robin,kvbandit[,gie,llmd] BENCH_LIVE_WORKLOADS BENCH_LIVE_LIMIT BENCH_LIVE_SEED BENCH_LIVE_OUT=bench-live.json); not CI, work in progress (issue 21)
 	$(GO) test -tags benchlive -count=1 -run '^TestBenchLive$$' -v -timeout 60m ./e2e/
 
 .PHONY: bench-sync

@@ -50,11 +50,12 @@ import (
 )
 
 // The binaries the benchmark's setup builds (bench_live_test.go): a
-// non-race kvbandit and GIE's EPP. Without them (the suite's smoke test)
-// the race build of kvbandit runs, and gie cannot.
+// non-race kvbandit, GIE's EPP and llm-d's EPP. Without them (the suite's
+// smoke test) the race build of kvbandit runs, and gie and llmd cannot.
 const (
-	envLiveBin = "KVBANDIT_LIVE_BIN"
-	envLiveEPP = "KVBANDIT_LIVE_EPP"
+	envLiveBin  = "KVBANDIT_LIVE_BIN"
+	envLiveEPP  = "KVBANDIT_LIVE_EPP"
+	envLiveLLMD = "KVBANDIT_LIVE_LLMD"
 )
 
 // liveProfile is the deployment every worker models: an 8B model on one
@@ -211,6 +212,23 @@ func profileCPU(t *testing.T, admin string, d time.Duration, path string) {
 // as make bench-vs-gie does.
 func startLiveGIE(t *testing.T, hosts []string) livePicker {
 	t.Helper()
+	addr, health := freeAddr(t), freeAddr(t)
+	_, port, _ := net.SplitHostPort(addr)
+	_, hp, _ := net.SplitHostPort(health)
+	c, ns, pool := startLivePool(t, hosts, atoiLive(port))
+	env := []string{"POD_NAME=epp-5d8f7c9b4-x2k9p", "POD_NAMESPACE=" + ns, "KUBECONFIG=" + c.Kubeconfig(t, "admin")}
+	return startLiveProc(t, "gie", addr, env, os.Getenv(envLiveEPP), "--pool-name", pool, "--pool-namespace", ns,
+		"--secure-serving=false", "--tracing=false", "--metrics-endpoint-auth=false", "--grpc-port", port,
+		"--grpc-health-port", hp, "--metrics-port", strconv.Itoa(atoiLive(hp)+1))
+}
+
+// startLivePool starts a kube-apiserver with a ready pod at each of the
+// fleet's addresses and an InferencePool of them (target port 8000) whose
+// endpoint picker serves on eppPort: what GIE's and llm-d's EPPs discover
+// their endpoints from. It returns the cluster, the namespace and the
+// pool's name.
+func startLivePool(t *testing.T, hosts []string, eppPort int) (*kubeenv.Cluster, string, string) {
+	t.Helper()
 	c := kubeenv.Start(t)
 	const ns, pool = "default", "live-pool"
 	for i, h := range hosts {
@@ -219,26 +237,20 @@ func startLiveGIE(t *testing.T, hosts []string) livePicker {
 		c.CreatePod(t, ns, name, map[string]string{"app": "live"}, nil)
 		c.SetPodStatus(t, ns, name, ip, true)
 	}
-	addr, health := freeAddr(t), freeAddr(t)
-	_, port, _ := net.SplitHostPort(addr)
-	_, hp, _ := net.SplitHostPort(health)
 	u := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
 		"metadata": map[string]any{"name": pool, "namespace": ns},
 		"spec": map[string]any{
 			"selector":          map[string]any{"matchLabels": map[string]any{"app": "live"}},
 			"targetPorts":       []any{map[string]any{"number": int64(8000)}},
-			"endpointPickerRef": map[string]any{"name": "epp", "port": map[string]any{"number": int64(atoiLive(port))}},
+			"endpointPickerRef": map[string]any{"name": "epp", "port": map[string]any{"number": int64(eppPort)}},
 		},
 	}}
 	gvr := schema.GroupVersionResource{Group: "inference.networking.k8s.io", Version: "v1", Resource: "inferencepools"}
 	if _, err := c.Dynamic(t).Resource(gvr).Namespace(ns).Create(t.Context(), u, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	env := []string{"POD_NAME=epp-5d8f7c9b4-x2k9p", "POD_NAMESPACE=" + ns, "KUBECONFIG=" + c.Kubeconfig(t, "admin")}
-	return startLiveProc(t, "gie", addr, env, os.Getenv(envLiveEPP), "--pool-name", pool, "--pool-namespace", ns,
-		"--secure-serving=false", "--tracing=false", "--metrics-endpoint-auth=false", "--grpc-port", port,
-		"--grpc-health-port", hp, "--metrics-port", strconv.Itoa(atoiLive(hp)+1))
+	return c, ns, pool
 }
 
 // startLiveProc runs a picker process serving ext_proc on addr, stops it
@@ -348,8 +360,8 @@ func readLiveKnobs(t *testing.T) liveKnobs {
 		k.pickers = strings.Split(v, ",")
 	}
 	for _, p := range k.pickers {
-		if !slices.Contains([]string{"round_robin", "kvbandit", "gie"}, p) {
-			t.Fatalf("BENCH_LIVE_PICKERS: %q is not wired yet (round_robin, kvbandit, gie)", p)
+		if !slices.Contains([]string{"round_robin", "kvbandit", "gie", "llmd"}, p) {
+			t.Fatalf("BENCH_LIVE_PICKERS: %q is not wired yet (round_robin, kvbandit, gie, llmd)", p)
 		}
 	}
 	k.out = cmp.Or(os.Getenv("BENCH_LIVE_OUT"), k.out)
@@ -408,6 +420,8 @@ func runLive(t *testing.T, k liveKnobs, wname, pname string, w livebench.Workloa
 		p = startLiveKvbandit(t, fleet.hosts, admin)
 	case "gie":
 		p = startLiveGIE(t, fleet.hosts)
+	case "llmd":
+		p = startLiveLLMD(t, fleet.hosts)
 	}
 	px, err := envoysim.New(envoysim.Config{ExtProcAddr: p.addr, Hosts: fleet.hosts, DiscardHistory: true,
 		MessageTimeout: 10 * time.Second, RequestBodyMode: p.mode, ResponseBodyMode: p.mode})
