@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -25,18 +26,36 @@ func init() {
 			return nil, fmt.Errorf("building kvbandit: %w", err)
 		}
 		env := []string{envLiveBin + "=" + bin}
-		if strings.Contains(os.Getenv("BENCH_LIVE_PICKERS"), "gie") {
-			tools := exec.Command("bash", filepath.Join(root, "tools", "build.sh"), "epp")
-			tools.Stderr = os.Stderr
-			out, err := tools.Output()
-			paths := strings.Fields(string(out))
-			if err != nil || len(paths) != 1 {
-				return nil, fmt.Errorf("tools/build.sh epp: %v", err)
+		// A picker needs its tool, and so does its replicated row (gie-x3).
+		pickers := strings.Split(os.Getenv("BENCH_LIVE_PICKERS"), ",")
+		for _, tool := range []struct{ picker, name, env, hint string }{
+			{"gie", "epp", envLiveEPP, ""},
+			{"llmd", "llmd-epp", envLiveLLMD, "; it needs cgo and libzmq3-dev: run make tools-llmd once"},
+		} {
+			if !slices.ContainsFunc(pickers, func(p string) bool { return p == tool.picker || strings.HasPrefix(p, tool.picker+"-") }) {
+				continue
 			}
-			env = append(env, envLiveEPP+"="+paths[0])
+			path, err := buildTool(root, tool.name)
+			if err != nil {
+				return nil, fmt.Errorf("%w%s", err, tool.hint)
+			}
+			env = append(env, tool.env+"="+path)
 		}
 		return env, nil
 	})
+}
+
+// buildTool builds one of the tools modules with tools/build.sh (cached
+// by content) and returns the binary's path, which build.sh prints.
+func buildTool(root, name string) (string, error) {
+	cmd := exec.Command("bash", filepath.Join(root, "tools", "build.sh"), name)
+	cmd.Stderr = os.Stderr
+	out, err := cmd.Output()
+	paths := strings.Fields(string(out))
+	if err != nil || len(paths) != 1 {
+		return "", fmt.Errorf("tools/build.sh %s: %v (output %q)", name, err, out)
+	}
+	return paths[0], nil
 }
 
 // TestBenchLive runs every workload through every picker (the order

@@ -15,7 +15,8 @@ package e2e
 // nats-server), gie and gie-x3 (GIE's EPP v1.5.0 on an InferencePool, one
 // or three replicas each with its own state). With several replicas each
 // has its own envoysim and every request enters through one of them at
-// random.
+// random. llmd is llm-d's EPP in its approximate configuration
+// (live_llmd_test.go).
 
 import (
 	"cmp"
@@ -53,11 +54,12 @@ import (
 )
 
 // The binaries the benchmark's setup builds (bench_live_test.go): a
-// non-race kvbandit and GIE's EPP. Without them (the suite's smoke test)
-// the race build of kvbandit runs, and gie cannot.
+// non-race kvbandit, GIE's EPP and llm-d's EPP. Without them (the suite's
+// smoke test) the race build of kvbandit runs, and gie and llmd cannot.
 const (
-	envLiveBin = "KVBANDIT_LIVE_BIN"
-	envLiveEPP = "KVBANDIT_LIVE_EPP"
+	envLiveBin  = "KVBANDIT_LIVE_BIN"
+	envLiveEPP  = "KVBANDIT_LIVE_EPP"
+	envLiveLLMD = "KVBANDIT_LIVE_LLMD"
 )
 
 // liveProfile is the deployment every worker models: an 8B model on one
@@ -272,29 +274,9 @@ func profileCPU(t *testing.T, admin string, d time.Duration, path string) {
 // own state, as GIE runs them today.
 func startLiveGIE(t *testing.T, hosts []string, n int) livePicker {
 	t.Helper()
-	c := kubeenv.Start(t)
-	const ns, pool = "default", "live-pool"
-	for i, h := range hosts {
-		ip, _, _ := net.SplitHostPort(h)
-		name := fmt.Sprintf("sim-%d", i)
-		c.CreatePod(t, ns, name, map[string]string{"app": "live"}, nil)
-		c.SetPodStatus(t, ns, name, ip, true)
-	}
 	// The pool's picker reference is what a gateway would dial; the EPPs
 	// below listen on ports of their own.
-	u := &unstructured.Unstructured{Object: map[string]any{
-		"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
-		"metadata": map[string]any{"name": pool, "namespace": ns},
-		"spec": map[string]any{
-			"selector":          map[string]any{"matchLabels": map[string]any{"app": "live"}},
-			"targetPorts":       []any{map[string]any{"number": int64(8000)}},
-			"endpointPickerRef": map[string]any{"name": "epp", "port": map[string]any{"number": int64(9002)}},
-		},
-	}}
-	gvr := schema.GroupVersionResource{Group: "inference.networking.k8s.io", Version: "v1", Resource: "inferencepools"}
-	if _, err := c.Dynamic(t).Resource(gvr).Namespace(ns).Create(t.Context(), u, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	c, ns, pool := startLivePool(t, hosts, 9002)
 	var p livePicker
 	for i := range n {
 		addr, health, metrics := freeAddr(t), freeAddr(t), freeAddr(t)
@@ -308,6 +290,37 @@ func startLiveGIE(t *testing.T, hosts []string, n int) livePicker {
 			"--grpc-health-port", hp, "--metrics-port", mp))
 	}
 	return p
+}
+
+// startLivePool starts a kube-apiserver with a ready pod at each of the
+// fleet's addresses and an InferencePool of them (target port 8000) whose
+// endpoint picker serves on eppPort: what GIE's and llm-d's EPPs discover
+// their endpoints from. It returns the cluster, the namespace and the
+// pool's name.
+func startLivePool(t *testing.T, hosts []string, eppPort int) (*kubeenv.Cluster, string, string) {
+	t.Helper()
+	c := kubeenv.Start(t)
+	const ns, pool = "default", "live-pool"
+	for i, h := range hosts {
+		ip, _, _ := net.SplitHostPort(h)
+		name := fmt.Sprintf("sim-%d", i)
+		c.CreatePod(t, ns, name, map[string]string{"app": "live"}, nil)
+		c.SetPodStatus(t, ns, name, ip, true)
+	}
+	u := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+		"metadata": map[string]any{"name": pool, "namespace": ns},
+		"spec": map[string]any{
+			"selector":          map[string]any{"matchLabels": map[string]any{"app": "live"}},
+			"targetPorts":       []any{map[string]any{"number": int64(8000)}},
+			"endpointPickerRef": map[string]any{"name": "epp", "port": map[string]any{"number": int64(eppPort)}},
+		},
+	}}
+	gvr := schema.GroupVersionResource{Group: "inference.networking.k8s.io", Version: "v1", Resource: "inferencepools"}
+	if _, err := c.Dynamic(t).Resource(gvr).Namespace(ns).Create(t.Context(), u, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return c, ns, pool
 }
 
 // startLiveProc runs a picker process serving ext_proc on addr, stops it
@@ -362,7 +375,7 @@ type liveRun struct {
 }
 
 // livePickers are the pickers a run can compare.
-var livePickers = []string{"round_robin", "kvbandit", "kvbandit-x3", "gie", "gie-x3"}
+var livePickers = []string{"round_robin", "kvbandit", "kvbandit-x3", "gie", "gie-x3", "llmd"}
 
 // liveKnobs are the BENCH_LIVE_* settings.
 type liveKnobs struct {
@@ -484,6 +497,8 @@ func runLive(t *testing.T, k liveKnobs, wname, pname string, w livebench.Workloa
 		p = startLiveGIE(t, fleet.hosts, 1)
 	case "gie-x3":
 		p = startLiveGIE(t, fleet.hosts, 3)
+	case "llmd":
+		p = startLiveLLMD(t, fleet.hosts)
 	}
 	// One envoysim per replica: each request enters through one of them
 	// at random (livebench.Client.URLs).
@@ -567,9 +582,9 @@ func reportLive(t *testing.T, k liveKnobs, names []string, runs []liveRun) {
 			sec := func(v float64) string {
 				return time.Duration(v * float64(time.Second)).Round(time.Millisecond).String()
 			}
-			fmt.Fprintf(&b, "%-14s %9s %9s %9s %9s %9s %8.1f %7d %7.1f%% %12.2f\n", r.Picker, sec(r.TTFTP50), sec(r.TTFTP90),
+			fmt.Fprintf(&b, "%-14s %9s %9s %9s %9s %9s %8.1f %7d %7.1f%% %12.2f\n", liveLabel(r.Picker), sec(r.TTFTP50), sec(r.TTFTP90),
 				sec(r.TTFTP99), sec(r.ITLP90), sec(r.E2EP90), r.reqPerS, r.Failed, 100*r.PrefixHitRate, 1e3*r.CPUPerReq)
-			series = append(series, livebench.Series{Name: r.Picker, TTFT: r.ttfts})
+			series = append(series, livebench.Series{Name: liveLabel(r.Picker), TTFT: r.ttfts})
 		}
 		if err := livebench.WriteTTFTCDF(strings.TrimSuffix(k.out, ".json")+"-"+wname+".png", series); err != nil {
 			t.Error(err)
@@ -586,6 +601,15 @@ func reportLive(t *testing.T, k liveKnobs, names []string, runs []liveRun) {
 	if err := os.WriteFile(k.out, js, 0o644); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// liveLabel is a picker's name in the tables and plots: llmd's row says
+// that it runs llm-d's approximate configuration (the JSON keeps the name).
+func liveLabel(picker string) string {
+	if picker == "llmd" {
+		return "llmd-approx"
+	}
+	return picker
 }
 
 func atoiLive(s string) int {
