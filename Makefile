@@ -110,8 +110,9 @@ bench-vs-gie: fixtures tools tools-gie ## the floor picker, kvbandit (with and w
 	$(GO) test -tags gie -count=1 -run BenchVsGIE -v -timeout 30m ./e2e/
 
 .PHONY: bench-live
-bench-live: fixtures tools ## live benchmark: the Mooncake and agentic workloads as streaming chat through envoysim on 8 llm-d-inference-sim workers (8B/H100 profile), per picker on a fresh fleet (BENCH_LIVE_MINUTES=10 BENCH_LIVE_SCALE=10 BENCH_LIVE_RATE=1 BENCH_LIVE_PICKERS=round_robin,kvbandit[,kvbandit-x3,gie,gie-x3,llmd] BENCH_LIVE_WORKLOADS BENCH_LIVE_LIMIT BENCH_LIVE_SEED BENCH_LIVE_OUT=bench-live.json); not CI, work in progress (issue 21)
-	$(GO) test -tags benchlive -count=1 -run '^TestBenchLive$$' -v -timeout 60m ./e2e/
+BENCH_LIVE_PICKERS ?= round_robin,kvbandit,kvbandit-x3,gie,gie-x3,llmd
+bench-live: fixtures tools $(if $(findstring llmd,$(BENCH_LIVE_PICKERS)),tools-llmd) ## live benchmark: the Mooncake slice and the agentic workloads as streaming chat through envoysim to 8 llm-d-inference-sim workers (8B/H100 profile), each picker on a fresh fleet, side by side with GIE's and llm-d's EPPs (BENCH_LIVE_PICKERS=round_robin,kvbandit,kvbandit-x3,gie,gie-x3,llmd BENCH_LIVE_MINUTES=10 BENCH_LIVE_SCALE (default: 5 agentic, 1 Mooncake) BENCH_LIVE_RATE=1 BENCH_LIVE_WORKLOADS BENCH_LIVE_TRACES=path:mooncake,... BENCH_LIVE_LIMIT BENCH_LIVE_SEED BENCH_LIVE_OUT=bench-live.json); about 1 h 40 min with the defaults; not CI (docs/bench-live.md)
+	BENCH_LIVE_PICKERS=$(BENCH_LIVE_PICKERS) $(GO) test -tags benchlive -count=1 -run '^TestBenchLive$$' -v -timeout 4h ./e2e/
 
 .PHONY: bench-sync
 bench-sync: tools ## the CPU cost of NATS sync: a replica with sync on vs off under the same open-loop ext_proc load (KVBANDIT_SYNC_RATE=2000, KVBANDIT_SYNC_SECONDS=10); not CI

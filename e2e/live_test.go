@@ -379,12 +379,15 @@ var livePickers = []string{"round_robin", "kvbandit", "kvbandit-x3", "gie", "gie
 
 // liveKnobs are the BENCH_LIVE_* settings.
 type liveKnobs struct {
-	// minutes is the Mooncake slice; scale the time compression; rate
-	// multiplies the arrival rate on top of it (the load).
+	// minutes is the Mooncake slice; scale the time compression (0: each
+	// workload's default, scaleOf); rate multiplies the arrival rate on
+	// top of it (the load).
 	minutes, scale, rate float64
-	limit                int
-	seed                 uint64
-	pickers              []string
+	// traces are BENCH_LIVE_TRACES: more Mooncake-format workloads.
+	traces  []liveTrace
+	limit   int
+	seed    uint64
+	pickers []string
 	// pprof, when set, makes kvbandit's runs write a CPU profile beside
 	// out (BENCH_LIVE_PPROF=1).
 	pprof string
@@ -398,8 +401,7 @@ type liveKnobs struct {
 }
 
 func readLiveKnobs(t *testing.T) liveKnobs {
-	k := liveKnobs{minutes: 10, scale: 10, rate: 1, seed: 1, workers: 8, out: "bench-live.json",
-		pickers: []string{"round_robin", "kvbandit"}}
+	k := liveKnobs{minutes: 10, rate: 1, seed: 1, workers: 8, out: "bench-live.json", pickers: livePickers}
 	num := func(name string, dst *float64) {
 		if v := os.Getenv(name); v != "" {
 			f, err := strconv.ParseFloat(v, 64)
@@ -429,6 +431,12 @@ func readLiveKnobs(t *testing.T) liveKnobs {
 	if v := os.Getenv("BENCH_LIVE_WORKLOADS"); v != "" {
 		k.workloads = strings.Split(v, ",")
 	}
+	if v := os.Getenv("BENCH_LIVE_TRACES"); v != "" {
+		var err error
+		if k.traces, err = parseLiveTraces(v); err != nil {
+			t.Fatalf("BENCH_LIVE_TRACES: %v", err)
+		}
+	}
 	if v := os.Getenv("BENCH_LIVE_PICKERS"); v != "" {
 		k.pickers = strings.Split(v, ",")
 	}
@@ -441,37 +449,90 @@ func readLiveKnobs(t *testing.T) liveKnobs {
 	return k
 }
 
+// liveTrace is one BENCH_LIVE_TRACES entry: a Mooncake-format file run
+// as the workload name.
+type liveTrace struct {
+	name, path string
+}
+
+// parseLiveTraces reads BENCH_LIVE_TRACES, "path:format,...": format is
+// mooncake (the one format whose hash ids become shared text); the
+// workload is named after the file, without its extension.
+func parseLiveTraces(v string) ([]liveTrace, error) {
+	var out []liveTrace
+	for _, e := range strings.Split(v, ",") {
+		i := strings.LastIndexByte(e, ':')
+		if i <= 0 {
+			return nil, fmt.Errorf("%q: want path:mooncake", e)
+		}
+		path, format := e[:i], e[i+1:]
+		if format != "mooncake" {
+			return nil, fmt.Errorf("%q: format %q, want mooncake", e, format)
+		}
+		name := strings.TrimSuffix(filepath.Base(path), filepath.Ext(path))
+		if slices.Contains([]string{"mooncake", "agentic", "agentic-nohints"}, name) ||
+			slices.ContainsFunc(out, func(t liveTrace) bool { return t.name == name }) {
+			name = fmt.Sprintf("trace%d-%s", len(out)+1, name)
+		}
+		out = append(out, liveTrace{name: name, path: path})
+	}
+	return out, nil
+}
+
+// scaleOf is the time compression of workload w: BENCH_LIVE_SCALE, or by
+// default 5 for the agentic workloads and 1 (real time) for traces. On 2
+// cores the Mooncake slice compressed 5x overloaded every picker alike
+// (the workers and the proxy need more CPU than the machine has), while
+// the agentic workloads' shorter prompts keep up at 5x.
+func (k liveKnobs) scaleOf(w string) float64 {
+	switch {
+	case k.scale > 0:
+		return k.scale
+	case strings.HasPrefix(w, "agentic"):
+		return 5
+	}
+	return 1
+}
+
 // liveWorkloads are the workloads of issue 21: a slice of the Mooncake
-// conversation trace, and the agentic generator with and without hints.
+// conversation trace, the agentic generator with and without hints, and
+// any BENCH_LIVE_TRACES.
 func liveWorkloads(t *testing.T, k liveKnobs) map[string]livebench.Workload {
 	t.Helper()
-	opt := livebench.Options{Window: time.Duration(k.minutes * float64(time.Minute)), RateScale: k.scale * cmp.Or(k.rate, 1),
-		Seed: k.seed, Limit: k.limit, Model: simModel}
+	opt := func(w string) livebench.Options {
+		return livebench.Options{Window: time.Duration(k.minutes * float64(time.Minute)), RateScale: k.scaleOf(w) * k.rate,
+			Seed: k.seed, Limit: k.limit, Model: simModel}
+	}
 	out := map[string]livebench.Workload{}
 	root, err := repoRoot()
 	if err != nil {
 		t.Fatal(err)
 	}
-	f, err := os.Open(filepath.Join(root, "..", "shared", "traces", "mooncake", "conversation_trace.jsonl"))
-	if err != nil {
-		t.Fatal(err)
+	traces := append([]liveTrace{{name: "mooncake", path: filepath.Join(root, "..", "shared", "traces", "mooncake", "conversation_trace.jsonl")}}, k.traces...)
+	for _, tr := range traces {
+		f, err := os.Open(tr.path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[tr.name], _, err = livebench.ReadMooncake(f, opt(tr.name))
+		f.Close()
+		if err != nil {
+			t.Fatalf("%s: %v", tr.path, err)
+		}
 	}
-	defer f.Close()
-	if out["mooncake"], _, err = livebench.ReadMooncake(f, opt); err != nil {
-		t.Fatal(err)
-	}
-	// Half a session a second: about 5 requests a second in steady state, of
-	// some 2k-8k prompt tokens, within the fleet's prefill capacity (8 ×
-	// 4,000 tokens a second at 250 µs a token) once prefixes are reused.
+	// Half a session a second: about 3 requests a second in steady state
+	// (6 turns 10 s apart), of some 2k-8k prompt tokens, within the fleet's
+	// prefill capacity (8 × 20,000 tokens a second at 50 µs a token) once
+	// prefixes are reused.
 	ag := trace.AgenticConfig{Sessions: max(int(k.minutes*60*0.5), 1), SessionRate: 0.5, Turns: 6, ThinkTime: 10 * time.Second,
 		Seed: int64(k.seed), Model: simModel}
 	for _, strip := range []bool{false, true} {
-		o := opt
-		o.Window, o.StripHints = 0, strip
 		name := "agentic"
 		if strip {
 			name = "agentic-nohints"
 		}
+		o := opt(name)
+		o.Window, o.StripHints = 0, strip
 		if out[name], err = livebench.Agentic(ag, o); err != nil {
 			t.Fatal(err)
 		}
@@ -480,7 +541,8 @@ func liveWorkloads(t *testing.T, k liveKnobs) map[string]livebench.Workload {
 }
 
 func runLive(t *testing.T, k liveKnobs, wname, pname string, w livebench.Workload) liveRun {
-	fleet := startLiveFleet(t, k.workers, k.scale)
+	scale := k.scaleOf(wname)
+	fleet := startLiveFleet(t, k.workers, scale)
 	var p livePicker
 	switch pname {
 	case "round_robin":
@@ -540,12 +602,12 @@ func runLive(t *testing.T, k liveKnobs, wname, pname string, w livebench.Workloa
 	}
 	s := livebench.Summarize(run)
 	// Times are reported in the deployment's time: the run's × scale.
-	sec := func(ms float64) float64 { return ms / 1e3 * k.scale }
+	sec := func(ms float64) float64 { return ms / 1e3 * scale }
 	r := liveRun{Workload: wname, Picker: pname, Replicas: len(p.addrs), Requests: s.Requests, Failed: s.Failed,
 		TTFTP50: sec(s.TTFTP50Ms), TTFTP90: sec(s.TTFTP90Ms), TTFTP99: sec(s.TTFTP99Ms),
-		ITLP90: sec(s.ITLP90Ms), E2EP90: sec(s.E2EP90Ms), reqPerS: s.RequestsPerS / k.scale}
+		ITLP90: sec(s.ITLP90Ms), E2EP90: sec(s.E2EP90Ms), reqPerS: s.RequestsPerS / scale}
 	for _, d := range livebench.TTFTs(run) {
-		r.ttfts = append(r.ttfts, time.Duration(float64(d)*k.scale))
+		r.ttfts = append(r.ttfts, time.Duration(float64(d)*scale))
 	}
 	if len(p.pids) > 0 {
 		after, err := p.cpu()
@@ -570,9 +632,9 @@ func reportLive(t *testing.T, k liveKnobs, names []string, runs []liveRun) {
 		t.Fatal(err)
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "\n%d workers modelling an 8B model on one H100 each (llm-d-inference-sim's 8b-h100 profile), time compressed %gx\n", k.workers, k.scale)
+	fmt.Fprintf(&b, "\n%d workers modelling an 8B model on one H100 each (liveProfile); times in the deployment's time\n", k.workers)
 	for _, wname := range names {
-		fmt.Fprintf(&b, "\n%s\n%-14s %9s %9s %9s %9s %9s %8s %7s %8s %12s\n", wname, "picker", "TTFT p50", "p90", "p99",
+		fmt.Fprintf(&b, "\n%s (time compressed %gx)\n%-14s %9s %9s %9s %9s %9s %8s %7s %8s %12s\n", wname, k.scaleOf(wname), "picker", "TTFT p50", "p90", "p99",
 			"ITL p90", "E2E p90", "req/s", "failed", "hit rate", "CPU ms/req")
 		var series []livebench.Series
 		for _, r := range runs {
@@ -622,8 +684,23 @@ func atoiLive(s string) int {
 // plumbing (every request answered, the report and its JSON written, the
 // workers' caches reused under kvbandit), not the ranking.
 func TestBenchLiveSmoke(t *testing.T) {
-	k := liveKnobs{minutes: 1, scale: 10, rate: 1, limit: 120, seed: 1, workers: 8,
-		pickers: []string{"round_robin", "kvbandit"}, out: filepath.Join(t.TempDir(), "bench-live.json")}
+	dir := t.TempDir()
+	// A small Mooncake-format file, as BENCH_LIVE_TRACES adds one: 40
+	// requests a second apart, sharing a 1,024-token prefix in pairs.
+	var tr strings.Builder
+	for i := range 40 {
+		fmt.Fprintf(&tr, `{"timestamp": %d, "input_length": 1200, "output_length": 40, "hash_ids": [0, %d, %d]}`+"\n", i*1000, 1+i/2, 100+i)
+	}
+	extra := filepath.Join(dir, "pairs.jsonl")
+	if err := os.WriteFile(extra, []byte(tr.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	traces, err := parseLiveTraces(extra + ":mooncake")
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := liveKnobs{minutes: 1, scale: 10, rate: 1, limit: 120, seed: 1, workers: 8, traces: traces,
+		pickers: []string{"round_robin", "kvbandit"}, out: filepath.Join(dir, "bench-live.json")}
 	runs := benchLive(t, k)
 	if t.Failed() {
 		return
@@ -638,8 +715,8 @@ func TestBenchLiveSmoke(t *testing.T) {
 	if err := json.Unmarshal(b, &got); err != nil {
 		t.Fatal(err)
 	}
-	if len(got.Runs) != 6 || len(runs) != 6 {
-		t.Fatalf("%d runs in %s, want 6 (3 workloads x 2 pickers)", len(got.Runs), k.out)
+	if len(got.Runs) != 8 || len(runs) != 8 {
+		t.Fatalf("%d runs in %s, want 8 (4 workloads x 2 pickers)", len(got.Runs), k.out)
 	}
 	for _, r := range got.Runs {
 		if r.Requests == 0 || r.Failed != 0 || r.TTFTP50 <= 0 {
@@ -649,10 +726,36 @@ func TestBenchLiveSmoke(t *testing.T) {
 			t.Errorf("agentic/kvbandit: the workers report no prefix-cache hit")
 		}
 	}
-	for _, w := range []string{"agentic", "agentic-nohints", "mooncake"} {
+	for _, w := range []string{"agentic", "agentic-nohints", "mooncake", "pairs"} {
 		if _, err := os.Stat(strings.TrimSuffix(k.out, ".json") + "-" + w + ".png"); err != nil {
 			t.Error(err)
 		}
+	}
+}
+
+// TestLiveKnobs: BENCH_LIVE_TRACES entries and the time compression of
+// each workload.
+func TestLiveKnobs(t *testing.T) {
+	got, err := parseLiveTraces("/a/b/conv.jsonl:mooncake,/c/mooncake.jsonl:mooncake,/d/conv.json:mooncake")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []liveTrace{{"conv", "/a/b/conv.jsonl"}, {"trace2-mooncake", "/c/mooncake.jsonl"}, {"trace3-conv", "/d/conv.json"}}
+	if !slices.Equal(got, want) {
+		t.Errorf("parseLiveTraces: %v, want %v", got, want)
+	}
+	for _, bad := range []string{"x.jsonl", "x.jsonl:azure", ":mooncake"} {
+		if _, err := parseLiveTraces(bad); err == nil {
+			t.Errorf("%q: no error", bad)
+		}
+	}
+	k := liveKnobs{}
+	if k.scaleOf("agentic-nohints") != 5 || k.scaleOf("mooncake") != 1 || k.scaleOf("conv") != 1 {
+		t.Errorf("default scales: agentic %v, mooncake %v", k.scaleOf("agentic"), k.scaleOf("mooncake"))
+	}
+	k.scale = 3
+	if k.scaleOf("agentic") != 3 || k.scaleOf("mooncake") != 3 {
+		t.Error("BENCH_LIVE_SCALE is not every workload's")
 	}
 }
 
@@ -665,7 +768,7 @@ func benchLive(t *testing.T, k liveKnobs) []liveRun {
 	if k.workloads != nil {
 		names = slices.DeleteFunc(names, func(n string) bool { return !slices.Contains(k.workloads, n) })
 		if len(names) == 0 {
-			t.Fatalf("BENCH_LIVE_WORKLOADS=%s: none of agentic, agentic-nohints, mooncake", strings.Join(k.workloads, ","))
+			t.Fatalf("BENCH_LIVE_WORKLOADS=%s: none of %s", strings.Join(k.workloads, ","), strings.Join(slices.Sorted(maps.Keys(workloads)), ", "))
 		}
 	}
 	var runs []liveRun
