@@ -26,7 +26,9 @@
 // benchmark_serving does: TTFT to the first chunk with non-empty
 // content, ITL between content chunks, E2E to the last byte. Every
 // failure counts, with a [Reason]. Canceling the context stops the run
-// promptly.
+// promptly. With several entries ([Client.URLs], one proxy per picker
+// replica) each request goes to one of them at random, the same one for
+// the same request and seed.
 //
 // Summary. [Summarize] gives percentiles of TTFT, ITL and E2E, the
 // achieved request rate and the failures as a JSON-friendly [Summary];
