@@ -760,7 +760,7 @@ func TestLiveKnobs(t *testing.T) {
 }
 
 // benchLive runs every workload through every picker (the order rotating
-// per workload), on a fresh fleet each time, and reports a table per
+// with the workload and the seed), on a fresh fleet each time, and reports a table per
 // workload, k.out and a TTFT CDF per workload.
 func benchLive(t *testing.T, k liveKnobs) []liveRun {
 	workloads := liveWorkloads(t, k)
@@ -775,7 +775,7 @@ func benchLive(t *testing.T, k liveKnobs) []liveRun {
 	for wi, wname := range names {
 		w := workloads[wname]
 		for pi := range k.pickers {
-			p := k.pickers[(pi+wi)%len(k.pickers)]
+			p := k.pickers[(pi+wi+int(k.seed%uint64(len(k.pickers))))%len(k.pickers)]
 			t.Run(wname+"/"+p, func(t *testing.T) {
 				runs = append(runs, runLive(t, k, wname, p, w))
 			})
