@@ -107,6 +107,10 @@ func (s *Syncer) enqueueLocked(it wire.Item, size int) {
 	}
 }
 
+// maxResnapGap bounds the pause between two re-snapshots (at most a
+// quarter of the snapshot interval).
+const maxResnapGap = 250 * time.Millisecond
+
 // run is the flusher: batches, heartbeats, snapshots and the peer sweep.
 func (s *Syncer) run() {
 	defer s.wg.Done()
@@ -120,6 +124,20 @@ func (s *Syncer) run() {
 	batch := time.NewTimer(time.Hour)
 	batch.Stop()
 	var waiting <-chan time.Time // batch.C while a batch waits
+	// Re-snapshots (a peer joined, restarted or came back) come at most
+	// every gap (a quarter of the snapshot interval, at most
+	// maxResnapGap): a flood of forged joins must not make this replica
+	// publish without pause.
+	gap := min(s.cfg.SnapshotInterval/4, maxResnapGap)
+	resnapT := time.NewTimer(time.Hour)
+	resnapT.Stop()
+	defer resnapT.Stop()
+	var resnapWait <-chan time.Time // resnapT.C while a re-snapshot waits
+	var lastSnap time.Time
+	snapshot := func() {
+		s.snapshot()
+		lastSnap = time.Now()
+	}
 	for {
 		select {
 		case <-s.stop:
@@ -142,9 +160,19 @@ func (s *Syncer) run() {
 		case <-hb.C:
 			s.heartbeat()
 		case <-snap.C:
-			s.snapshot()
+			snapshot()
 		case <-s.resnap:
-			s.snapshot()
+			if wait := time.Until(lastSnap.Add(gap)); wait > 0 {
+				if resnapWait == nil {
+					resnapT.Reset(wait)
+					resnapWait = resnapT.C
+				}
+				continue
+			}
+			snapshot()
+		case <-resnapWait:
+			resnapWait = nil
+			snapshot()
 		case <-sweep.C:
 			s.sweep()
 		}

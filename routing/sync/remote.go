@@ -2,6 +2,7 @@ package sync
 
 import (
 	"errors"
+	"log/slog"
 	"slices"
 	"sort"
 	"time"
@@ -85,10 +86,10 @@ func (s *Syncer) receive(msg *nats.Msg) {
 		}
 		p = &peer{replica: m.Replica, epoch: m.Epoch, decisions: make(map[uint64]*remote)}
 		s.peers[m.Replica] = p
-		s.log.Info("peer replica joined", "peer", m.Replica)
+		s.peerLine(now, slog.LevelInfo, "peer replica joined", "peer", m.Replica)
 		s.signal(s.resnap) // it may have missed our state
 	} else if p.epoch != m.Epoch {
-		s.log.Info("peer replica restarted: its previous decisions end", "peer", m.Replica, "ended", len(p.decisions))
+		s.peerLine(now, slog.LevelInfo, "peer replica restarted: its previous decisions end", "peer", m.Replica, "ended", len(p.decisions))
 		p.endAll()
 		p.epoch, p.seq, p.gaps = m.Epoch, 0, 0
 		s.signal(s.resnap)
@@ -229,7 +230,7 @@ func (s *Syncer) sweep() {
 	}
 	for id, p := range s.peers {
 		if now.Sub(p.lastHeard) > s.cfg.PeerTTL {
-			s.log.Warn("peer replica silent: its decisions end", "peer", id, "silent", now.Sub(p.lastHeard).Round(time.Millisecond), "ended", len(p.decisions))
+			s.peerLine(now, slog.LevelWarn, "peer replica silent: its decisions end", "peer", id, "silent", now.Sub(p.lastHeard).Round(time.Millisecond), "ended", len(p.decisions))
 			s.m.expired.Add(float64(len(p.decisions)))
 			p.endAll()
 			delete(s.peers, id)

@@ -19,6 +19,7 @@ import (
 	"github.com/kvbandit/kvbandit/routing/policy"
 	"github.com/kvbandit/kvbandit/routing/policy/kvbandit"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
+	"github.com/kvbandit/kvbandit/routing/sync/wire"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -533,5 +534,70 @@ func TestMessagesPerDecisionUnderLoad(t *testing.T) {
 	}
 	if got := b.counter(t, "kvbandit_sync_dropped_total"); got != 0 {
 		t.Errorf("B dropped %v", got)
+	}
+}
+
+// TestRestartFloodBounded: a client claiming one peer id with alternating
+// epochs (each message a "restart") writes at most peerLinesBurst log
+// lines, and re-snapshots come at most every quarter of the snapshot
+// interval; the subscription holds at most MaxPendingMsgs messages
+// beside MaxPendingBytes; the replica still routes.
+func TestRestartFloodBounded(t *testing.T) {
+	srv := natsenv.Start(t, natsenv.Options{})
+	cfg := testConfig(srv, "b")
+	b := newNode(t, cfg, engine.Options{})
+	waitFor(t, 5*time.Second, "b connected", func() bool { return !b.s.Degraded() })
+	msgs, pbytes, err := b.s.sub.PendingLimits()
+	if err != nil || msgs != DefaultMaxPendingMsgs || pbytes != DefaultMaxPendingBytes {
+		t.Fatalf("pending limits %d messages, %d bytes (%v); want %d, %d", msgs, pbytes, err, DefaultMaxPendingMsgs, DefaultMaxPendingBytes)
+	}
+	snapsBefore := b.counter(t, "kvbandit_sync_messages_total", "direction", "sent", "kind", "snapshot")
+	evil := rawPublisher(t, srv, "kvbandit.p")
+	const n = 4000
+	start := time.Now()
+	for i := range n {
+		m := &wire.Message{Kind: wire.KindHeartbeat, Pool: "p", Replica: "x", Epoch: uint64(i%2 + 1), Seq: 1,
+			Heartbeat: wire.Heartbeat{Interval: 100}}
+		raw, err := wire.Append(nil, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := evil.nc.Publish("kvbandit.p.heartbeat", raw); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := evil.nc.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the flood received", func() bool {
+		return b.counter(t, "kvbandit_sync_messages_total", "direction", "received", "kind", "heartbeat") >= n
+	})
+	elapsed := time.Since(start)
+	if got := strings.Count(b.log.String(), "peer replica restarted"); got > peerLinesBurst {
+		t.Errorf("%d restart lines for %d forged restarts, want at most %d", got, n, peerLinesBurst)
+	}
+	gap := min(cfg.SnapshotInterval/4, maxResnapGap)
+	snaps := b.counter(t, "kvbandit_sync_messages_total", "direction", "sent", "kind", "snapshot") - snapsBefore
+	if limit := float64(elapsed/gap) + 2; snaps > limit {
+		t.Errorf("%v snapshots in %v of flood, want at most %v (one per %v)", snaps, elapsed.Round(time.Millisecond), limit, gap)
+	}
+	d := b.pick(t, "", 1)
+	d.Done(routing.NoUsage(routing.OutcomeCancelled))
+}
+
+func TestLineBudget(t *testing.T) {
+	b := lineBudget{burst: 2, window: time.Minute}
+	t0 := time.Unix(1000, 0)
+	for i, want := range []bool{true, true, false, false} {
+		if ok, _ := b.take(t0.Add(time.Duration(i) * time.Second)); ok != want {
+			t.Fatalf("line %d: %v, want %v", i, ok, want)
+		}
+	}
+	ok, held := b.take(t0.Add(time.Minute))
+	if !ok || held != 2 {
+		t.Errorf("next window: %v, %d held back; want true, 2", ok, held)
+	}
+	if _, held := b.take(t0.Add(time.Minute + time.Second)); held != 0 {
+		t.Errorf("held back reported twice: %d", held)
 	}
 }

@@ -30,9 +30,14 @@ const (
 	DefaultHeartbeatInterval = 500 * time.Millisecond
 	DefaultPeerTTL           = 3 * time.Second
 	DefaultMaxPendingBytes   = 64 << 20
-	DefaultMaxQueueItems     = 16384
-	DefaultMaxPeers          = 256
-	DefaultReconnectWait     = 250 * time.Millisecond
+	// DefaultMaxPendingMsgs bounds the messages NATS holds beside their
+	// bytes: a flood of tiny messages (26-byte heartbeats) costs NATS a
+	// few hundred bytes each in bookkeeping that the byte limit does not
+	// count. 65,536 is more than a minute of a busy peer's batches.
+	DefaultMaxPendingMsgs = 65536
+	DefaultMaxQueueItems  = 16384
+	DefaultMaxPeers       = 256
+	DefaultReconnectWait  = 250 * time.Millisecond
 	// DefaultDecisionTTL is the TTL sent with every Start: how long peers
 	// keep a decision without an End (the engine's stale bound).
 	DefaultDecisionTTL = engine.DefaultStaleAfter
@@ -71,9 +76,11 @@ type Config struct {
 	// ReconnectWait is the pause between reconnect attempts (plus up to
 	// half of it at random).
 	ReconnectWait time.Duration
-	// MaxPendingBytes bounds the incoming messages NATS holds for this
-	// replica before it drops them.
+	// MaxPendingBytes and MaxPendingMsgs bound the incoming messages NATS
+	// holds for this replica before it drops them (counted as
+	// slow_consumer), by their bytes and by their count.
 	MaxPendingBytes int
+	MaxPendingMsgs  int
 	// MaxQueueItems bounds the local items waiting to be published; past
 	// it items are dropped (the next snapshot repairs peers).
 	MaxQueueItems int
@@ -170,6 +177,9 @@ func (c *Config) defaults() error {
 	if c.MaxPendingBytes <= 0 {
 		c.MaxPendingBytes = DefaultMaxPendingBytes
 	}
+	if c.MaxPendingMsgs <= 0 {
+		c.MaxPendingMsgs = DefaultMaxPendingMsgs
+	}
 	if c.MaxQueueItems <= 0 {
 		c.MaxQueueItems = DefaultMaxQueueItems
 	}
@@ -231,6 +241,7 @@ type Syncer struct {
 	sub       *nats.Subscription
 	connected atomic.Bool
 	authLog   logLimiter
+	peerLines lineBudget
 	stop      chan struct{}
 	wg        stdsync.WaitGroup
 	started   bool
@@ -269,6 +280,7 @@ func New(cfg Config, deps Deps) (*Syncer, error) {
 		s.subjects[k] = cfg.SubjectPrefix + "." + k.String()
 	}
 	s.authLog.every = 30 * time.Second
+	s.peerLines.burst, s.peerLines.window = peerLinesBurst, peerLinesWindow
 	m, err := newMetrics(deps.Registry, s)
 	if err != nil {
 		return nil, err
@@ -309,7 +321,7 @@ func (s *Syncer) Start(e Engine) error {
 	}
 	sub, err := nc.Subscribe(s.cfg.SubjectPrefix+".*", s.receive)
 	if err == nil {
-		err = sub.SetPendingLimits(-1, s.cfg.MaxPendingBytes)
+		err = sub.SetPendingLimits(s.cfg.MaxPendingMsgs, s.cfg.MaxPendingBytes)
 	}
 	if err != nil {
 		nc.Close()
