@@ -332,6 +332,9 @@ func newSyncer(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus
 		TLS:           rsync.TLSConfig{CA: n.TLS.CA, Cert: n.TLS.Cert, Key: n.TLS.Key, ServerName: n.TLS.ServerName, InsecureSkipVerify: n.TLS.InsecureSkipVerify},
 		BatchInterval: ms(sc.BatchIntervalMs), SnapshotInterval: ms(sc.SnapshotIntervalMs),
 		HeartbeatInterval: ms(sc.HeartbeatIntervalMs), PeerTTL: ms(sc.PeerTTLMs),
+		// A peer claims no more prompt tokens for one decision than this
+		// replica would accept in one body: a token takes at least a byte.
+		MaxRemoteTokens: int(min(o.MaxBodyBytes, int64(routing.MaxRemoteTokens))),
 	}, rsync.Deps{Logger: log, Registry: reg, OnKVEvents: onKV})
 	if err != nil {
 		return nil, fmt.Errorf("%w: sync: %w", ErrUsage, err)

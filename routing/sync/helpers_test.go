@@ -1,6 +1,7 @@
 package sync
 
 import (
+	"cmp"
 	"testing"
 
 	"github.com/nats-io/nats.go"
@@ -42,6 +43,9 @@ type wireMsg struct {
 	firstID       uint64
 	endpoint      string // default 10.0.0.1:8000
 	seq           uint64
+	ttl           uint32 // milliseconds; default 60 s
+	noTTL         bool   // send TTL 0
+	isl           uint32 // prompt tokens; default 32
 }
 
 func (p *publisher) sendMsg(t testing.TB, w *wireMsg) {
@@ -50,10 +54,14 @@ func (p *publisher) sendMsg(t testing.TB, w *wireMsg) {
 	if ep == "" {
 		ep = "10.0.0.1:8000"
 	}
+	ttl, isl := cmp.Or(w.ttl, 60000), cmp.Or(w.isl, 32)
+	if w.noTTL {
+		ttl = 0
+	}
 	m := &wire.Message{Kind: wire.KindBatch, Pool: w.pool, Replica: w.replica, Epoch: 42, Seq: max(w.seq, 1)}
 	for i := range w.starts {
 		m.Batch = append(m.Batch, wire.StartItem(wire.Start{
-			ID: w.firstID + uint64(i) + 1, Endpoint: ep, DPRank: -1, BlockSize: 16, Blocks: []uint64{uint64(i), uint64(i) + 1}, ISL: 32,
+			ID: w.firstID + uint64(i) + 1, Endpoint: ep, DPRank: -1, BlockSize: 16, Blocks: []uint64{uint64(i), uint64(i) + 1}, ISL: isl, TTL: ttl,
 		}))
 	}
 	b, err := wire.Append(nil, m)

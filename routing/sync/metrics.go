@@ -28,7 +28,7 @@ func newMetrics(reg prometheus.Registerer, s *Syncer) (*metrics, error) {
 			Name: "kvbandit_sync_dropped_total", Help: "Sync items or messages dropped, by reason (queue_full, kv_queue, disconnected, publish_error, too_large, snapshot_trimmed: outgoing; malformed, other_pool, own_replica_id, too_many_peers, slow_consumer, unsupported: incoming).",
 		}, []string{"reason"}),
 		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbandit_sync_rejected_total", Help: "Peers' decisions, outcomes and republished KV events this replica refused, by reason (unknown_endpoint, invalid, limit).",
+			Name: "kvbandit_sync_rejected_total", Help: "Peers' decisions, outcomes and republished KV events this replica refused, by reason (unknown_endpoint, invalid, limit, no_ttl, too_many_tokens).",
 		}, []string{"reason"}),
 		repaired: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbandit_sync_snapshot_repairs_total", Help: "Peers' decisions a snapshot started (missed Start) or ended (missed End).",

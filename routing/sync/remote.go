@@ -30,7 +30,7 @@ type peer struct {
 // remote is one applied peer decision.
 type remote struct {
 	rd       *engine.RemoteDecision
-	deadline time.Time // zero: no TTL
+	deadline time.Time // the Start's TTL, at most Config.MaxRemoteTTL
 }
 
 func (p *peer) endAll() {
@@ -142,6 +142,14 @@ func (s *Syncer) start(p *peer, st *wire.Start, now time.Time) {
 		}
 		return
 	}
+	switch {
+	case st.TTL == 0:
+		s.m.rejected.WithLabelValues("no_ttl").Inc()
+		return
+	case int64(st.ISL) > int64(s.cfg.MaxRemoteTokens):
+		s.m.rejected.WithLabelValues("too_many_tokens").Inc()
+		return
+	}
 	rs := routing.RemoteStart{
 		Endpoint: routing.EndpointKey(st.Endpoint), DPRank: int(st.DPRank), BlockSize: int(st.BlockSize),
 		ISL: int(st.ISL), Overlap: int(st.Overlap), ExpectedDecodeBlocks: int(st.ExpectedDecodeBlocks),
@@ -162,10 +170,7 @@ func (s *Syncer) start(p *peer, st *wire.Start, now time.Time) {
 	if st.Prefilled {
 		rd.Prefilled()
 	}
-	r := &remote{rd: rd}
-	if st.TTL > 0 {
-		r.deadline = now.Add(time.Duration(st.TTL) * time.Millisecond)
-	}
+	r := &remote{rd: rd, deadline: now.Add(min(time.Duration(st.TTL)*time.Millisecond, s.cfg.MaxRemoteTTL))}
 	p.decisions[st.ID] = r
 }
 
@@ -237,7 +242,7 @@ func (s *Syncer) sweep() {
 			continue
 		}
 		for did, r := range p.decisions {
-			if !r.deadline.IsZero() && now.After(r.deadline) {
+			if now.After(r.deadline) {
 				p.end(did)
 				s.m.expired.Inc()
 			} else if r.rd.Ended() {

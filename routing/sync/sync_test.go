@@ -601,3 +601,50 @@ func TestLineBudget(t *testing.T) {
 		t.Errorf("held back reported twice: %d", held)
 	}
 }
+
+// TestPeerStartBounds: a peer's Start without a TTL, or claiming more
+// prompt tokens than MaxRemoteTokens, is refused and counted by reason;
+// a TTL over MaxRemoteTTL is cut to it (the decision ends then, though
+// its peer keeps heartbeating).
+func TestPeerStartBounds(t *testing.T) {
+	srv := natsenv.Start(t, natsenv.Options{})
+	cfg := testConfig(srv, "b")
+	cfg.MaxRemoteTTL, cfg.MaxRemoteTokens = 400*time.Millisecond, 4096
+	cfg.PeerTTL = 5 * time.Second
+	b := newNode(t, cfg, engine.Options{})
+	waitFor(t, 5*time.Second, "b connected", func() bool { return !b.s.Degraded() })
+	evil := rawPublisher(t, srv, "kvbandit.p")
+	evil.sendMsg(t, &wireMsg{pool: "p", replica: "x", starts: 3, noTTL: true, seq: 1})
+	evil.sendMsg(t, &wireMsg{pool: "p", replica: "x", starts: 2, firstID: 10, isl: 4097, seq: 2})
+	evil.sendMsg(t, &wireMsg{pool: "p", replica: "x", starts: 1, firstID: 20, isl: 4096, ttl: 1 << 31, seq: 3})
+	waitFor(t, 5*time.Second, "the capped decision applied", func() bool { return b.remoteInFlight() == 1 })
+	for reason, want := range map[string]float64{"no_ttl": 3, "too_many_tokens": 2} {
+		if got := b.counter(t, "kvbandit_sync_rejected_total", "reason", reason); got != want {
+			t.Errorf("rejected{reason=%q} = %v, want %v", reason, got, want)
+		}
+	}
+	// The peer stays alive (heartbeats) while its decision's TTL, cut to
+	// 400 ms, runs out.
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() {
+		tk := time.NewTicker(100 * time.Millisecond)
+		defer tk.Stop()
+		for seq := uint64(4); ; seq++ {
+			select {
+			case <-stop:
+				return
+			case <-tk.C:
+			}
+			m := &wire.Message{Kind: wire.KindHeartbeat, Pool: "p", Replica: "x", Epoch: 42, Seq: seq, Heartbeat: wire.Heartbeat{InFlight: 1, Interval: 100}}
+			raw, err := wire.Append(nil, m)
+			if err == nil {
+				_ = evil.nc.Publish("kvbandit.p.heartbeat", raw)
+			}
+		}
+	}()
+	took := waitFor(t, 5*time.Second, "the capped decision expired", func() bool { return b.remoteInFlight() == 0 })
+	if took > 2*time.Second {
+		t.Errorf("the decision with a 24-day TTL lasted %v, want about the 400 ms cap", took)
+	}
+}

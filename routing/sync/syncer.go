@@ -73,6 +73,16 @@ type Config struct {
 	// DecisionTTL is sent with every Start (how long peers keep it
 	// without an End).
 	DecisionTTL time.Duration
+	// MaxRemoteTTL caps a peer's Start's TTL (a longer one is cut to it);
+	// a Start without a TTL is refused (reason "no_ttl"): a decision a
+	// peer never ends would hold its load for ever. Default
+	// DefaultDecisionTTL.
+	MaxRemoteTTL time.Duration
+	// MaxRemoteTokens bounds the prompt tokens one peer decision may
+	// claim; a Start over it is refused (reason "too_many_tokens").
+	// serve sets it to --max-body-bytes: a token takes at least a byte
+	// of the body a replica accepts. Default routing.MaxRemoteTokens.
+	MaxRemoteTokens int
 	// ReconnectWait is the pause between reconnect attempts (plus up to
 	// half of it at random).
 	ReconnectWait time.Duration
@@ -170,6 +180,10 @@ func (c *Config) defaults() error {
 	def(&c.HeartbeatInterval, DefaultHeartbeatInterval)
 	def(&c.PeerTTL, DefaultPeerTTL)
 	def(&c.DecisionTTL, DefaultDecisionTTL)
+	def(&c.MaxRemoteTTL, DefaultDecisionTTL)
+	if c.MaxRemoteTokens <= 0 || c.MaxRemoteTokens > routing.MaxRemoteTokens {
+		c.MaxRemoteTokens = routing.MaxRemoteTokens
+	}
 	def(&c.ReconnectWait, DefaultReconnectWait)
 	if c.PeerTTL <= c.HeartbeatInterval {
 		return fmt.Errorf("%w: peer TTL %v must exceed the heartbeat interval %v", ErrConfig, c.PeerTTL, c.HeartbeatInterval)
