@@ -25,7 +25,7 @@ func newMetrics(reg prometheus.Registerer, s *Syncer) (*metrics, error) {
 	}, []string{"direction", "kind"})
 	m := &metrics{
 		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbandit_sync_dropped_total", Help: "Sync items or messages dropped, by reason (queue_full, kv_queue, disconnected, publish_error, too_large, snapshot_trimmed: outgoing; malformed, other_pool, own_replica_id, too_many_peers, slow_consumer, unsupported: incoming).",
+			Name: "kvbandit_sync_dropped_total", Help: "Sync items or messages dropped, by reason (queue_full, kv_queue, disconnected, publish_error, too_large, snapshot_trimmed: outgoing; malformed, other_pool, own_replica_id, too_many_peers, peer_evicted (a newcomer peer forgotten to admit a new id), slow_consumer, unsupported: incoming).",
 		}, []string{"reason"}),
 		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbandit_sync_rejected_total", Help: "Peers' decisions, outcomes and republished KV events this replica refused, by reason (unknown_endpoint, invalid, limit, no_ttl, too_many_tokens).",

@@ -25,6 +25,21 @@ type peer struct {
 	reported  uint32 // in-flight count of its last heartbeat
 	interval  uint32
 	decisions map[uint64]*remote
+	// joined and msgs tell an established peer from a newcomer
+	// (established).
+	joined time.Time
+	msgs   uint64
+}
+
+// Peers become established after establishMsgs messages over at least a
+// heartbeat interval: a real replica after its third heartbeat, while an
+// id that sent one message (a forged one) stays a newcomer.
+const establishMsgs = 3
+
+// established reports whether p has been heard long enough to keep its
+// slot when the slots are full (evictNewcomer).
+func (p *peer) established(now time.Time, hb time.Duration) bool {
+	return p.msgs >= establishMsgs && now.Sub(p.joined) >= hb
 }
 
 // remote is one applied peer decision.
@@ -80,11 +95,13 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	now := s.clk.Now()
 	p := s.peers[m.Replica]
 	if p == nil {
-		if len(s.peers) >= s.cfg.MaxPeers {
+		heard := s.seen.hear(m.Replica, now)
+		if len(s.peers) >= s.cfg.MaxPeers && !s.evictNewcomer(now, heard) {
 			s.m.dropped.WithLabelValues("too_many_peers").Inc()
 			return
 		}
-		p = &peer{replica: m.Replica, epoch: m.Epoch, decisions: make(map[uint64]*remote)}
+		s.seen.forget(m.Replica)
+		p = &peer{replica: m.Replica, epoch: m.Epoch, decisions: make(map[uint64]*remote), joined: now, msgs: heard - 1}
 		s.peers[m.Replica] = p
 		s.peerLine(now, slog.LevelInfo, "peer replica joined", "peer", m.Replica)
 		s.signal(s.resnap) // it may have missed our state
@@ -103,6 +120,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	}
 	p.seq = m.Seq
 	p.lastHeard = now
+	p.msgs++
 	switch m.Kind {
 	case wire.KindBatch:
 		for i := range m.Batch {
@@ -115,6 +133,35 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	case wire.KindKVEvents:
 		s.receiveKV(&m.KVEvents)
 	}
+}
+
+// evictNewcomer frees a peer slot for a new id heard heard times (with
+// this message) when the slots are full: it forgets the newcomer (not
+// established) heard the fewest times, the longest ago among equals,
+// ending its decisions, if that newcomer was heard fewer times than the
+// new id. Ids that each send a message or two (300 forged ids at 250
+// messages a second kept all 256 slots full before this) cannot keep a
+// real replica out: its heartbeats, counted while it waits
+// (Syncer.seen), soon outnumber theirs, and once established it is never
+// evicted. It reports false when no slot can be freed.
+func (s *Syncer) evictNewcomer(now time.Time, heard uint64) bool {
+	var victim *peer
+	for _, p := range s.peers {
+		if p.established(now, s.cfg.HeartbeatInterval) {
+			continue
+		}
+		if victim == nil || p.msgs < victim.msgs || (p.msgs == victim.msgs && p.lastHeard.Before(victim.lastHeard)) {
+			victim = p
+		}
+	}
+	if victim == nil || victim.msgs >= heard {
+		return false
+	}
+	victim.endAll()
+	delete(s.peers, victim.replica)
+	s.seen.put(victim.replica, victim.msgs, victim.lastHeard)
+	s.m.dropped.WithLabelValues("peer_evicted").Inc()
+	return true
 }
 
 func (s *Syncer) applyItem(p *peer, it *wire.Item, now time.Time) {

@@ -648,3 +648,77 @@ func TestPeerStartBounds(t *testing.T) {
 		t.Errorf("the decision with a 24-day TTL lasted %v, want about the 400 ms cap", took)
 	}
 }
+
+// TestForgedIDsCannotLockOut: with every peer slot taken by ids that
+// each send a single heartbeat (a stream of them), a real replica that
+// joins is admitted at its second message and keeps its slot; forged ids
+// never evict each other.
+func TestForgedIDsCannotLockOut(t *testing.T) {
+	srv := natsenv.Start(t, natsenv.Options{})
+	cfg := testConfig(srv, "b")
+	cfg.MaxPeers = 8
+	b := newNode(t, cfg, engine.Options{})
+	waitFor(t, 5*time.Second, "b connected", func() bool { return !b.s.Degraded() })
+	evil := rawPublisher(t, srv, "kvbandit.p")
+	stop, done := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		tk := time.NewTicker(4 * time.Millisecond) // 250 new ids a second
+		defer tk.Stop()
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			case <-tk.C:
+			}
+			m := &wire.Message{Kind: wire.KindHeartbeat, Pool: "p", Replica: fmt.Sprintf("fake-%d", i), Epoch: 1, Seq: 1, Heartbeat: wire.Heartbeat{Interval: 100}}
+			if raw, err := wire.Append(nil, m); err == nil {
+				_ = evil.nc.Publish("kvbandit.p.heartbeat", raw)
+			}
+		}
+	}()
+	defer func() { close(stop); <-done }()
+	hasPeer := func(id string) bool {
+		for _, p := range b.s.Status().Peers {
+			if p.Replica == id {
+				return true
+			}
+		}
+		return false
+	}
+	waitFor(t, 5*time.Second, "the slots full of forged ids", func() bool {
+		return len(b.s.Status().Peers) == cfg.MaxPeers && b.counter(t, "kvbandit_sync_dropped_total", "reason", "too_many_peers") > 0
+	})
+	newNode(t, testConfig(srv, "c"), engine.Options{})
+	waitFor(t, 5*time.Second, "the real replica admitted", func() bool { return hasPeer("c") })
+	// A second of forged ids later it is still there.
+	time.Sleep(time.Second)
+	if !hasPeer("c") {
+		t.Fatal("the real replica lost its slot to forged ids")
+	}
+	if got := b.counter(t, "kvbandit_sync_dropped_total", "reason", "peer_evicted"); got < 1 {
+		t.Errorf("%v newcomers evicted, want one at least (for c)", got)
+	}
+}
+
+func TestSeenIDs(t *testing.T) {
+	tb := seenIDs{max: 16}
+	t0 := time.Unix(1000, 0)
+	for range 5 {
+		tb.hear("real", t0)
+	}
+	for i := range 1000 {
+		tb.hear(fmt.Sprintf("fake-%d", i), t0.Add(time.Duration(i)*time.Millisecond))
+		if len(tb.ids) > tb.max {
+			t.Fatalf("%d ids held, max %d", len(tb.ids), tb.max)
+		}
+	}
+	if got := tb.hear("real", t0); got != 6 {
+		t.Errorf("the real id, heard 5 times among 1,000 one-message ids, now counts %d, want 6", got)
+	}
+	tb.put("evicted", 3, t0)
+	tb.forget("real")
+	if _, ok := tb.ids["real"]; ok || tb.ids["evicted"].msgs != 3 {
+		t.Errorf("forget/put: %v", tb.ids)
+	}
+}

@@ -248,6 +248,7 @@ type Syncer struct {
 	eng    Engine
 	dec    wire.Decoder
 	peers  map[string]*peer
+	seen   seenIDs // ids without a slot, by how often they were heard
 	closed bool
 	onKV   func(endpoint string, seq uint64, payload []byte) error
 
@@ -295,6 +296,7 @@ func New(cfg Config, deps Deps) (*Syncer, error) {
 	}
 	s.authLog.every = 30 * time.Second
 	s.peerLines.burst, s.peerLines.window = peerLinesBurst, peerLinesWindow
+	s.seen.max = 4 * cfg.MaxPeers
 	m, err := newMetrics(deps.Registry, s)
 	if err != nil {
 		return nil, err
