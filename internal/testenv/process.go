@@ -3,6 +3,7 @@ package testenv
 import (
 	"fmt"
 	"io"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"syscall"
@@ -28,7 +29,16 @@ type Process struct {
 // [Loopback] with [FreePort], or port 0 where the server reports what it
 // chose.
 func Start(bin string, args []string, out io.Writer) (*Process, error) {
+	return StartEnv(bin, args, nil, out)
+}
+
+// StartEnv is [Start] with env ("KEY=value") added to the test's own
+// environment.
+func StartEnv(bin string, args, env []string, out io.Writer) (*Process, error) {
 	cmd := exec.Command(bin, args...)
+	if env != nil {
+		cmd.Env = append(os.Environ(), env...)
+	}
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
