@@ -95,6 +95,16 @@ type RemoteLearner interface {
 	LearnRemote(o *RemoteOutcome)
 }
 
+// PeerForgetter is implemented by policies that keep what each peer
+// replica taught them apart ([RemoteOutcome.Peer]), so that a peer's
+// effect on the learned state can be undone. ForgetPeer drops everything
+// learnt from peer's outcomes; the transport calls it when the peer leaves
+// (silent past its TTL, or evicted). Implementations must be safe for
+// concurrent use and must not block.
+type PeerForgetter interface {
+	ForgetPeer(peer string)
+}
+
 // OutcomeAware is implemented by policies that need outcomes (in-flight
 // counts, rewards) to work well; kvbandit warns when response processing
 // is off for such a policy.

@@ -117,6 +117,10 @@ type RemoteOutcome struct {
 	// Received is when this replica learnt the outcome, on the engine's
 	// clock (set by LearnRemote): peers' clocks are never used.
 	Received time.Time
+	// Peer is the replica id the outcome came from (set by the
+	// transport; empty: unknown). Policies that keep peers' teaching apart
+	// ([PeerForgetter]) key it by Peer. At most MaxRemoteString bytes.
+	Peer string
 }
 
 // Validate checks a peer's decision against the limits above (errors
@@ -170,8 +174,8 @@ func (o *RemoteOutcome) Validate() error {
 		return fmt.Errorf("%w: queued prefill tokens %d", ErrInvalidRemote, o.QueuedPrefillTokens)
 	case o.OSL > LevelHigh:
 		return fmt.Errorf("%w: output length level %d", ErrInvalidRemote, o.OSL)
-	case len(o.PrefixID) > MaxRemoteString || len(o.Tenant) > MaxRemoteString || len(o.Model) > MaxRemoteString:
-		return fmt.Errorf("%w: prefix id, tenant or model over %d bytes", ErrInvalidRemote, MaxRemoteString)
+	case len(o.PrefixID) > MaxRemoteString || len(o.Tenant) > MaxRemoteString || len(o.Model) > MaxRemoteString || len(o.Peer) > MaxRemoteString:
+		return fmt.Errorf("%w: prefix id, tenant, model or peer over %d bytes", ErrInvalidRemote, MaxRemoteString)
 	}
 	return nil
 }

@@ -170,6 +170,15 @@ func (e *Engine) LearnRemote(o routing.RemoteOutcome) error {
 	return nil
 }
 
+// ForgetPeer drops what the policy learnt from peer's outcomes, when it
+// keeps them apart ([routing.PeerForgetter]); the transport calls it when
+// the peer leaves. Other policies ignore it.
+func (e *Engine) ForgetPeer(peer string) {
+	if f, ok := e.policy.(routing.PeerForgetter); ok {
+		f.ForgetPeer(peer)
+	}
+}
+
 // rankOf returns the endpoint's state and rank for a peer's (endpoint,
 // rank): rank -1 for a single-rank endpoint, 0..n-1 for one with n ranks.
 func (e *Engine) rankOf(ep routing.EndpointKey, rank int) (*endpoint, *rankState, error) {
