@@ -63,6 +63,7 @@ type benchOptions struct {
 	scrape                                            scrapeFlag
 	objective                                         objectiveOptions
 	speedSchedule                                     string
+	jitter                                            time.Duration
 	tier                                              benchTier
 	pd                                                benchPD
 }
@@ -76,6 +77,7 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.speeds, "speed-factors", "", "comma-separated speed factor per worker, > 0 (default all 1; 0.5 = half speed)")
 	fs.StringVar(&o.speedSchedule, "speed-schedule", "", `speed changes "T:W:S,...": at virtual time T (duration or seconds) worker W (0-based) runs at speed S (0 stops it); e.g. "300s:3:0.5,600s:3:1"`)
 	fs.Float64Var(&o.rateScale, "rate-scale", 0, fmt.Sprintf("divide arrival times by this (0: %d for mooncake, 1 for azure)", defaultMooncakeRateScale))
+	fs.DurationVar(&o.jitter, "arrival-jitter", 0, "spread each request's arrival later by a uniform draw in [0, D) of trace time (before --rate-scale; seeded by --seed), e.g. 3s spreads the Mooncake trace's bursts over its 3 s timestamp grid (0: as stamped)")
 	fs.IntVar(&o.routerBlock, "router-block-size", 0, "the router's block size in tokens (0: the workers' block size)")
 	fs.IntVar(&o.kvBlocks, "kv-blocks", defaultKVBlocks, "KV cache blocks per worker")
 	fs.IntVar(&o.blockSize, "block-size", defaultBlockSize, "KV block size of the workers, in tokens")
@@ -117,8 +119,14 @@ func (o *benchOptions) validate() ([]float64, error) {
 			return nil, fmt.Errorf("--trace is required with --format %s", o.format)
 		}
 	case "agentic":
+		if o.jitter != 0 {
+			return nil, errors.New("--arrival-jitter applies to a trace file (mooncake, azure), not --format agentic")
+		}
 	default:
 		return nil, fmt.Errorf("--format %q: want mooncake, azure or agentic", o.format)
+	}
+	if o.jitter < 0 {
+		return nil, fmt.Errorf("--arrival-jitter %v: must be >= 0", o.jitter)
 	}
 	if o.rateScale < 0 || math.IsNaN(o.rateScale) || math.IsInf(o.rateScale, 0) {
 		return nil, fmt.Errorf("--rate-scale %v: must be > 0", o.rateScale)
@@ -272,7 +280,8 @@ func (o *benchOptions) report(desc string, requests int, speeds []float64, bound
 	rep := &benchReport{
 		Trace: desc, Format: o.format, Requests: requests, Workers: o.workers, SpeedFactors: speeds,
 		RateScale: o.effectiveRateScale(), KVBlocks: o.kvBlocks, BlockSize: o.blockSize, RouterBlockSize: o.routerBlock,
-		KVEvents: o.kvEvents, Seed: o.seed, ScrapeIntervalSec: o.scrape.d.Seconds(), ScrapeAsDeployed: !o.scrape.set, SpeedSchedule: o.speedSchedule,
+		ArrivalJitterSec: o.jitter.Seconds(),
+		KVEvents:         o.kvEvents, Seed: o.seed, ScrapeIntervalSec: o.scrape.d.Seconds(), ScrapeAsDeployed: !o.scrape.set, SpeedSchedule: o.speedSchedule,
 		Bounds: benchBounds{Infinite: bounds.Infinite, Finite: bounds.Finite, FiniteCapacityTokens: int64(bounds.CapacityBlocks) * int64(bounds.BlockSize), PromptTokens: bounds.PromptTokens},
 	}
 	if o.replicas > 1 {
@@ -393,7 +402,7 @@ func (o *benchOptions) load(stderr io.Writer) ([]sim.Request, string, error) {
 	if got := trace.Detect(head); got != "" && got != o.format {
 		return nil, "", fmt.Errorf("%w: %s looks like a%s %s trace, not %s: run with --format %s", cmdline.ErrUsage, o.trace, article(got), got, o.format, got)
 	}
-	opt := trace.Options{Strict: o.strict, RateScale: o.effectiveRateScale(), Limit: o.limit}
+	opt := trace.Options{Strict: o.strict, RateScale: o.effectiveRateScale(), Limit: o.limit, Jitter: o.jitter, JitterSeed: uint64(o.seed)}
 	read := trace.ReadMooncake
 	if o.format == trace.FormatAzure {
 		read = trace.ReadAzure

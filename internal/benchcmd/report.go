@@ -19,17 +19,19 @@ import (
 
 // benchReport is the --json output.
 type benchReport struct {
-	Trace           string    `json:"trace"`
-	Format          string    `json:"format"`
-	Requests        int       `json:"requests"`
-	Workers         int       `json:"workers"`
-	SpeedFactors    []float64 `json:"speed_factors"`
-	RateScale       float64   `json:"rate_scale"`
-	KVBlocks        int       `json:"kv_blocks_per_worker"`
-	BlockSize       int       `json:"block_size"`
-	RouterBlockSize int       `json:"router_block_size"`
-	KVEvents        bool      `json:"kv_events"`
-	Seed            int64     `json:"seed"`
+	Trace        string    `json:"trace"`
+	Format       string    `json:"format"`
+	Requests     int       `json:"requests"`
+	Workers      int       `json:"workers"`
+	SpeedFactors []float64 `json:"speed_factors"`
+	RateScale    float64   `json:"rate_scale"`
+	// ArrivalJitterSec is --arrival-jitter (0: arrivals as stamped).
+	ArrivalJitterSec float64 `json:"arrival_jitter_seconds,omitempty"`
+	KVBlocks         int     `json:"kv_blocks_per_worker"`
+	BlockSize        int     `json:"block_size"`
+	RouterBlockSize  int     `json:"router_block_size"`
+	KVEvents         bool    `json:"kv_events"`
+	Seed             int64   `json:"seed"`
 	// ScrapeIntervalSec is --scrape-interval (0: load after every change);
 	// ScrapeAsDeployed is true without the flag: each policy's load comes
 	// as often as its deployment scrapes it (scrapeFlag.interval).
@@ -212,6 +214,9 @@ func (rep *benchReport) printHeader(w io.Writer) {
 			fmt.Fprintf(w, " (delay %v)", time.Duration(rep.SyncDelaySec*float64(time.Second)))
 		}
 		fmt.Fprintln(w)
+	}
+	if rep.ArrivalJitterSec > 0 {
+		fmt.Fprintf(w, "arrivals spread by up to %v of trace time each (--arrival-jitter)\n", time.Duration(rep.ArrivalJitterSec*float64(time.Second)))
 	}
 	if rep.SpeedSchedule != "" {
 		fmt.Fprintf(w, "speed schedule %s\n", rep.SpeedSchedule)

@@ -46,7 +46,7 @@ func ReadAzure(r io.Reader, opt Options) ([]sim.Request, Report, error) {
 	for i := range reqs {
 		reqs[i].Arrival -= base
 	}
-	finish(reqs, opt) // already sorted; scales and sets the model
+	finish(reqs, opt) // already sorted; spreads, scales and sets the model
 	if opt.Limit > 0 && len(reqs) > opt.Limit {
 		reqs = reqs[:opt.Limit:opt.Limit]
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"slices"
 	"time"
 
@@ -38,6 +39,14 @@ type Options struct {
 	Limit int
 	// Model is copied into every request.
 	Model string
+	// Jitter spreads arrivals: each request's arrival (in trace time,
+	// before RateScale) moves later by a uniform draw in [0, Jitter),
+	// seeded by JitterSeed, and the trace is sorted again. A trace whose
+	// timestamps sit on a coarse grid (the Mooncake trace's 3 s) then
+	// arrives spread within each step of the grid instead of in bursts at
+	// one instant. 0 keeps the arrivals as stamped.
+	Jitter     time.Duration
+	JitterSeed uint64
 }
 
 // Report says what a reader did with its input.
@@ -72,6 +81,9 @@ func (o Options) validate() error {
 	}
 	if o.Limit < 0 {
 		return fmt.Errorf("limit %d: must be >= 0", o.Limit)
+	}
+	if o.Jitter < 0 {
+		return fmt.Errorf("jitter %v: must be >= 0", o.Jitter)
 	}
 	return nil
 }
@@ -135,10 +147,11 @@ func readLines(r io.Reader, opt Options, header func([]byte) error, parse parseF
 	return reqs, rep, nil
 }
 
-// finish sorts by arrival (stable: ties keep file order), then scales
-// arrivals and sets the model.
+// finish sorts by arrival (stable: ties keep file order), spreads
+// arrivals by Jitter (then sorts again), then scales arrivals and sets the
+// model.
 func finish(reqs []sim.Request, opt Options) {
-	slices.SortStableFunc(reqs, func(a, b sim.Request) int {
+	byArrival := func(a, b sim.Request) int {
 		switch {
 		case a.Arrival < b.Arrival:
 			return -1
@@ -146,7 +159,15 @@ func finish(reqs []sim.Request, opt Options) {
 			return 1
 		}
 		return 0
-	})
+	}
+	slices.SortStableFunc(reqs, byArrival)
+	if opt.Jitter > 0 {
+		rng := rand.New(rand.NewPCG(opt.JitterSeed, 0x6a09e667f3bcc909))
+		for i := range reqs {
+			reqs[i].Arrival += time.Duration(rng.Int64N(int64(opt.Jitter)))
+		}
+		slices.SortStableFunc(reqs, byArrival)
+	}
 	scale := opt.RateScale
 	if scale == 0 {
 		scale = 1

@@ -3,6 +3,7 @@ package trace
 import (
 	"bufio"
 	"errors"
+	"fmt"
 	"os"
 	"slices"
 	"strings"
@@ -313,5 +314,45 @@ func TestDetect(t *testing.T) {
 		if got := Detect([]byte(c.head)); got != c.want {
 			t.Errorf("Detect(%q) = %q, want %q", c.head, got, c.want)
 		}
+	}
+}
+
+// TestTraceJitter: --arrival-jitter spreads a burst stamped at one instant
+// over [t, t+jitter) of trace time, before the rate scale, sorted again,
+// the same for the same seed; 0 keeps the stamps.
+func TestTraceJitter(t *testing.T) {
+	t.Parallel()
+	var in strings.Builder
+	for i := range 200 {
+		fmt.Fprintf(&in, "{\"timestamp\": %d, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [%d]}\n", 3000*(i/10), i)
+	}
+	read := func(o Options) []sim.Request {
+		t.Helper()
+		reqs, _, err := ReadMooncake(strings.NewReader(in.String()), o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return reqs
+	}
+	plain := read(Options{RateScale: 2})
+	spread := read(Options{RateScale: 2, Jitter: 3 * time.Second, JitterSeed: 7})
+	distinct := map[time.Duration]bool{}
+	for i, r := range spread {
+		distinct[r.Arrival] = true
+		if i > 0 && r.Arrival < spread[i-1].Arrival {
+			t.Fatalf("request %d arrives before %d: not sorted", i, i-1)
+		}
+	}
+	if len(distinct) < 190 {
+		t.Errorf("%d distinct arrivals of 200 after jitter", len(distinct))
+	}
+	if last := spread[len(spread)-1].Arrival; last < plain[len(plain)-1].Arrival || last >= plain[len(plain)-1].Arrival+1500*time.Millisecond {
+		t.Errorf("last arrival %v: want within [%v, +1.5 s) (3 s of trace time at rate scale 2)", last, plain[len(plain)-1].Arrival)
+	}
+	if again := read(Options{RateScale: 2, Jitter: 3 * time.Second, JitterSeed: 7}); again[17].Arrival != spread[17].Arrival || again[17].Tokens[0] != spread[17].Tokens[0] {
+		t.Error("the same seed gave another spread")
+	}
+	if _, _, err := ReadMooncake(strings.NewReader(in.String()), Options{Jitter: -1}); err == nil {
+		t.Error("negative jitter accepted")
 	}
 }
