@@ -132,10 +132,23 @@ func (st adminState) replicas(w http.ResponseWriter, _ *http.Request) {
 		_ = json.NewEncoder(w).Encode(map[string]any{"enabled": false, "peers": []any{}})
 		return
 	}
+	b := st.engine.BurstStats()
 	_ = json.NewEncoder(w).Encode(struct {
 		Enabled bool `json:"enabled"`
 		rsync.Status
-	}{true, st.sync.Status()})
+		Turns turnsStatus `json:"turns"`
+	}{true, st.sync.Status(), turnsStatus{Rank: b.Rank, Replicas: b.Replicas, Simultaneous: b.Simultaneous, Blind: b.Blind, Held: b.Held, HeldSeconds: b.HeldSeconds}})
+}
+
+// turnsStatus is /debug/replicas' view of routing/burst: this replica's
+// turn, how bursty its traffic looks and what the turns did.
+type turnsStatus struct {
+	Rank         int     `json:"rank"`
+	Replicas     int     `json:"replicas"`
+	Simultaneous float64 `json:"simultaneous"`
+	Blind        float64 `json:"blind_decisions"`
+	Held         int64   `json:"held"`
+	HeldSeconds  float64 `json:"held_seconds"`
 }
 
 // healthServerOptions are the gRPC health server's options: TLS with

@@ -3,6 +3,7 @@ package app
 import (
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"time"
 
@@ -71,7 +72,19 @@ type SyncConfig struct {
 	SnapshotIntervalMs  int `json:"snapshot_interval_ms,omitempty"`
 	HeartbeatIntervalMs int `json:"heartbeat_interval_ms,omitempty"`
 	PeerTTLMs           int `json:"peer_ttl_ms,omitempty"`
+	// Turns lets the replicas decide a burst in turn (routing/burst):
+	// while arrivals come in bursts, a decision waits rank × TurnStepMs
+	// (at most 7 steps) so that it sees the pool's earlier decisions of
+	// the burst. Default true; false decides at once, blind to peers'
+	// simultaneous decisions.
+	Turns *bool `json:"turns,omitempty"`
+	// TurnStepMs is the wait between two replicas' turns (0: the sync
+	// delay, batch_interval_ms + 1 ms, plus an eighth).
+	TurnStepMs float64 `json:"turn_step_ms,omitempty"`
 }
+
+// turns reports whether sync.turns is on (the default).
+func (c *SyncConfig) turns() bool { return c.Turns == nil || *c.Turns }
 
 // SyncNATSConfig is the NATS connection of routing/sync.
 type SyncNATSConfig struct {
@@ -100,6 +113,8 @@ func (c *SyncConfig) validate() error {
 	switch {
 	case c.BatchIntervalMs < 0 || c.SnapshotIntervalMs < 0 || c.HeartbeatIntervalMs < 0 || c.PeerTTLMs < 0:
 		return fmt.Errorf("sync: batch_interval_ms, snapshot_interval_ms, heartbeat_interval_ms and peer_ttl_ms must be >= 0")
+	case math.IsNaN(c.TurnStepMs) || c.TurnStepMs < 0 || c.TurnStepMs > 1000:
+		return fmt.Errorf("sync.turn_step_ms: %v out of range (0 to 1000)", c.TurnStepMs)
 	case (c.NATS.TLS.Cert == "") != (c.NATS.TLS.Key == ""):
 		return fmt.Errorf("sync.nats.tls: cert and key go together")
 	}

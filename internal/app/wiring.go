@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/extproc/tracing"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/burst"
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/decisionlog"
 	"github.com/kvbandit/kvbandit/routing/engine"
@@ -139,6 +140,9 @@ func (p *engineParts) build(o ServeOptions, cfg *FileConfig, log *slog.Logger, r
 		return err
 	}
 	opts := cfg.engineOptions(o.Fallbacks)
+	if p.sync != nil && cfg.Sync.turns() {
+		opts.Burst = burst.Config{Delay: p.sync.ApplyDelay(), Step: time.Duration(cfg.Sync.TurnStepMs * float64(time.Millisecond))}
+	}
 	opts.Admission.OnWait = func(d time.Duration) { rm.queueWait.Observe(d.Seconds()) }
 	gate, err := slo.New(slo.Config{})
 	if err != nil {
@@ -162,6 +166,9 @@ func (p *engineParts) build(o ServeOptions, cfg *FileConfig, log *slog.Logger, r
 		return err
 	}
 	reg.MustRegister(engine.NewCollector(eng), gate)
+	if p.sync != nil {
+		reg.MustRegister(engine.NewBurstCollector(eng))
+	}
 	if kb, ok := p.policy.(*kvbandit.Policy); ok {
 		reg.MustRegister(posteriorCollector{kb})
 	}

@@ -60,6 +60,7 @@ type benchOptions struct {
 	replicas                                          int
 	sync                                              string
 	syncDelay                                         time.Duration
+	noTurns                                           bool
 	scrape                                            scrapeFlag
 	objective                                         objectiveOptions
 	speedSchedule                                     string
@@ -92,6 +93,7 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.replicas, "replicas", 1, fmt.Sprintf("pickers: independent routing engines in front of the fleet, each request entering through one at random (1 to %d)", sim.MaxReplicas))
 	fs.StringVar(&o.sync, "sync", "none", "what the replicas share: none, or nats (a model of serve --sync-nats: every decision's start, first token, end and outcome applied on the other replicas after --sync-delay)")
 	fs.DurationVar(&o.syncDelay, "sync-delay", sim.DefaultSyncDelay, "--sync nats: publish-to-apply latency, in virtual time")
+	fs.BoolVar(&o.noTurns, "no-turns", false, "--sync nats: replicas decide a burst blind to each other instead of in turn (serve's sync.turns: false; the baseline of routing/burst)")
 	fs.Var(&o.scrape, "scrape-interval", fmt.Sprintf("how often the workers' load reaches the engines; 0: after every change (default: as each is deployed: weighted every %v, GIE's EPP --refresh-metrics-interval; the others every %v, as serve scrapes)", gieScrapeInterval, serveScrapeInterval))
 	o.objective.addFlags(fs)
 	o.tier.addFlags(fs)
@@ -286,6 +288,7 @@ func (o *benchOptions) report(desc string, requests int, speeds []float64, bound
 	}
 	if o.replicas > 1 {
 		rep.Replicas, rep.Sync, rep.SyncDelaySec = o.replicas, o.sync, o.syncDelay.Seconds()
+		rep.Turns = o.sync == "nats" && !o.noTurns
 	}
 	o.tier.report(rep)
 	o.pd.report(rep)
@@ -306,7 +309,7 @@ func (o *benchOptions) replay(ctx context.Context, stderr io.Writer, runs []benc
 		return sim.Config{
 			Roles: runs[i].roles, PD: runs[i].pd, Transfer: o.pd.transfer(),
 			Workers: workers, Policy: runs[i].policy, Policies: cfg.Policies, RouterBlockSize: o.routerBlock, KVEvents: o.kvEvents, Seed: o.seed, Logger: logger,
-			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, ScrapeInterval: o.scrape.interval(runs[i].policy), TierWeights: cfg.TierWeights,
+			Replicas: o.replicas, Sync: sync, SyncDelay: o.syncDelay, NoTurns: o.noTurns, ScrapeInterval: o.scrape.interval(runs[i].policy), TierWeights: cfg.TierWeights,
 			SLO:      slo.Config{Headroom: o.objective.headroom, Off: o.objective.off},
 			Schedule: schedule,
 			Progress: prog.arrivedFunc(i),

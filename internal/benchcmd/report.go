@@ -44,6 +44,9 @@ type benchReport struct {
 	Replicas     int     `json:"replicas,omitempty"`
 	Sync         string  `json:"sync,omitempty"`
 	SyncDelaySec float64 `json:"sync_delay_s,omitempty"`
+	// Turns: with --sync nats, replicas decide a burst in turn
+	// (routing/burst); false with --no-turns.
+	Turns bool `json:"turns,omitempty"`
 	// CPUBlocks and CPUReloadTokensSec are --cpu-blocks and
 	// --cpu-reload-bandwidth, with a CPU tier only.
 	CPUBlocks          int     `json:"cpu_blocks_per_worker,omitempty"`
@@ -102,14 +105,17 @@ type policySummary struct {
 	// With several replicas: the requests that entered through each,
 	// and, with sync, the sync items and messages (batched over the sync
 	// delay) per decision and the items a peer refused.
-	EnteredPerReplica   []int     `json:"requests_per_replica,omitempty"`
-	ItemsPerDecision    float64   `json:"sync_items_per_decision,omitempty"`
-	MessagesPerDecision float64   `json:"sync_messages_per_decision,omitempty"`
-	SyncErrors          int       `json:"sync_errors,omitempty"`
-	SpanSec             float64   `json:"span_s"`
-	WallSec             float64   `json:"wall_s"`
-	RequestsPerWorker   []int     `json:"requests_per_worker"`
-	BusyPerWorker       []float64 `json:"busy_s_per_worker"`
+	EnteredPerReplica   []int   `json:"requests_per_replica,omitempty"`
+	ItemsPerDecision    float64 `json:"sync_items_per_decision,omitempty"`
+	MessagesPerDecision float64 `json:"sync_messages_per_decision,omitempty"`
+	SyncErrors          int     `json:"sync_errors,omitempty"`
+	// Turns is the share of decisions that waited for their replica's
+	// turn in a burst (routing/burst).
+	Turns             float64   `json:"turns,omitempty"`
+	SpanSec           float64   `json:"span_s"`
+	WallSec           float64   `json:"wall_s"`
+	RequestsPerWorker []int     `json:"requests_per_worker"`
+	BusyPerWorker     []float64 `json:"busy_s_per_worker"`
 }
 
 func summarize(r *sim.Result, reqs []sim.Request, b trace.Bounds) policySummary {
@@ -161,6 +167,9 @@ func summarize(r *sim.Result, reqs []sim.Request, b trace.Bounds) policySummary 
 			s.ItemsPerDecision = float64(r.SyncItems) / float64(r.Decisions)
 		}
 		s.SyncErrors = r.SyncErrors
+		if r.Decisions > 0 {
+			s.Turns = float64(r.Held) / float64(r.Decisions)
+		}
 	}
 	return s
 }
@@ -212,6 +221,9 @@ func (rep *benchReport) printHeader(w io.Writer) {
 		fmt.Fprintf(w, "%d replicas, sync %s", rep.Replicas, rep.Sync)
 		if rep.Sync != "none" {
 			fmt.Fprintf(w, " (delay %v)", time.Duration(rep.SyncDelaySec*float64(time.Second)))
+			if !rep.Turns {
+				fmt.Fprint(w, ", no turns")
+			}
 		}
 		fmt.Fprintln(w)
 	}
@@ -249,6 +261,9 @@ func (rep *benchReport) printTable(w io.Writer) {
 	synced := rep.Replicas > 1 && rep.Sync != "none"
 	if synced {
 		head += "msgs/decision\t"
+		if rep.Turns {
+			head += "turns\t"
+		}
 	}
 	if rep.CPUBlocks > 0 {
 		head += "cpu hit\t"
@@ -273,6 +288,9 @@ func (rep *benchReport) printTable(w io.Writer) {
 		}
 		if synced {
 			line += fmt.Sprintf("%.2f\t", p.MessagesPerDecision)
+			if rep.Turns {
+				line += fmt.Sprintf("%.1f%%\t", 100*p.Turns)
+			}
 		}
 		if rep.CPUBlocks > 0 {
 			line += fmt.Sprintf("%.1f%%\t", 100*p.CPUHitRate)

@@ -316,6 +316,7 @@ func (e *Engine) commit(p *pass, cm *commitment, chosen int) {
 	sc, d := p.sc, &cm.Decision
 	c := &sc.Candidates[chosen]
 	cm.num = e.ids.Add(1)
+	e.burst.Local(sc.Now)
 	d.ID = strconv.FormatUint(cm.num, 36)
 	cm.live, cm.rt = c.State.Live, p.info[chosen].ep.runtime
 	c.State.InFlight.Add(1)

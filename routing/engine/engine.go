@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing/admission"
+	"github.com/kvbandit/kvbandit/routing/burst"
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/kvindex"
 )
@@ -56,6 +57,10 @@ type Engine struct {
 	// (KeyBlockSize).
 	keyBlockSize atomic.Int64
 
+	// burst gives decisions their turns in a burst (nil without
+	// Options.Burst.Delay).
+	burst *burst.Meter
+
 	// mu serialises Update (the writer side only).
 	mu sync.Mutex
 }
@@ -83,6 +88,10 @@ func New(p routing.Policy, opts Options, deps Deps) (*Engine, error) {
 		return nil, err
 	}
 	e.index = ix
+	if e.burst, err = burst.NewMeter(opts.Burst); err != nil {
+		ix.Close()
+		return nil, err
+	}
 	if opts.Admission.Enabled() {
 		q, err := admission.New(opts.Admission, e.clk, admission.SaturationFunc(e.saturated))
 		if err != nil {
@@ -160,10 +169,16 @@ func (e *Engine) Ready() bool { return len(e.snap.Load().states) > 0 }
 
 // Pick implements [Picker]. With the admission queue on, a request that
 // arrives while every endpoint is saturated waits here (Pick blocks only
-// then, never on I/O), up to the queue's maximum wait; it is rejected with
-// an error wrapping ErrOverloaded when it is sheddable, the queue is full
-// or the wait runs out, and with ctx's cause when ctx ends first.
+// then and for its turn in a burst, never on I/O), up to the queue's
+// maximum wait; it is rejected with an error wrapping ErrOverloaded when
+// it is sheddable, the queue is full or the wait runs out, and with ctx's
+// cause when ctx ends first. In a burst across the pool's replicas
+// (Options.Burst) a decision first waits for this replica's turn, a few
+// milliseconds at most ([Engine.Turn]).
 func (e *Engine) Pick(ctx context.Context, req *routing.Request) (*routing.Decision, error) {
+	if err := e.waitTurn(ctx, req); err != nil {
+		return nil, err
+	}
 	if e.queue == nil {
 		return e.decide(req, true)
 	}

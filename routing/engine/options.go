@@ -1,6 +1,8 @@
 package engine
 
 import (
+	"github.com/kvbandit/kvbandit/routing/burst"
+
 	"github.com/kvbandit/kvbandit/routing"
 
 	"log/slog"
@@ -80,6 +82,15 @@ type Options struct {
 	// the default a second, so blocks over it describe cache the rank never
 	// built.
 	InsertTokensPerRank int
+	// Burst gives decisions their turns in a burst across the pool's
+	// replicas (routing/burst; [Engine.SetReplicas] says this replica's
+	// rank): Burst.Delay is the sync delay, how long after a decision the
+	// peers have applied it. Zero (a lone replica): off.
+	Burst burst.Config
+	// ExternalTurns: the caller waits for a decision's turn itself
+	// ([Engine.Turn], then Pick at that time), and Pick never waits. The
+	// virtual-time simulator sets it.
+	ExternalTurns bool
 }
 
 // Defaults for [Options].

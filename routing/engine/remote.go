@@ -73,6 +73,7 @@ func (e *Engine) StartRemote(s routing.RemoteStart) (*RemoteDecision, error) {
 		return nil, fmt.Errorf("%w: %d block keys held, %d more (budget %d)", routing.ErrRemoteLimit, held-n, n, e.opts.RemoteBlockBudget)
 	}
 	now := e.clk.Now()
+	e.burst.Remote(now)
 	r := &RemoteDecision{Endpoint: st.Key, DPRank: s.DPRank, e: e, live: st.Live, blocks: n}
 	st.RemoteInFlight.Add(1)
 	keys := s.Blocks

@@ -85,6 +85,11 @@ type Config struct {
 	// SyncDelay is SyncNATS's publish-to-apply latency in virtual time
 	// (0: applied at once). At most MaxSyncDelay.
 	SyncDelay time.Duration
+	// NoTurns turns off the replicas' turns in a burst (routing/burst),
+	// as serve's sync.turns: false: each replica then decides at once,
+	// blind to its peers' simultaneous decisions (the baseline for the
+	// turns; bench --no-turns).
+	NoTurns bool
 	// ScrapeInterval is how often the workers' load (waiting and running
 	// requests, KV usage) reaches the engines, as serve's --scrape-interval
 	// (1 s there). 0: after every change of a worker, an oracle no scraper

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/burst"
 	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
@@ -161,11 +162,16 @@ func (s *simulation) newReplica(cfg *Config, i, blockSize int) (*replica, error)
 		deps.OnFirst = func(d *routing.Decision) { s.shareFirst(r, d) }
 		deps.OnDone = func(d *routing.Decision, o routing.Outcome) { s.shareDone(r, d, o) }
 	}
-	eng, err := engine.New(pol, engine.Options{BlockSize: blockSize, SyncIndex: true, StaleAfter: staleAfter, TierWeights: cfg.TierWeights}, deps)
+	opts := engine.Options{BlockSize: blockSize, SyncIndex: true, StaleAfter: staleAfter, TierWeights: cfg.TierWeights, ExternalTurns: true}
+	if cfg.Sync == SyncNATS && max(cfg.Replicas, 1) > 1 && !cfg.NoTurns {
+		opts.Burst = burst.Config{Delay: s.syncDelay}
+	}
+	eng, err := engine.New(pol, opts, deps)
 	if err != nil {
 		r.shut()
 		return nil, fmt.Errorf("sim: %w", err)
 	}
+	eng.SetReplicas(i, max(cfg.Replicas, 1))
 	r.eng = eng
 	r.close = append(r.close, eng.Close)
 	return r, nil

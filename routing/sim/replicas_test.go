@@ -215,3 +215,75 @@ func TestReplicasConfigErrors(t *testing.T) {
 		t.Fatalf("ParseSync(etcd): %v", err)
 	}
 }
+
+// burstTrace is n bursts of size requests every gap, each request its own
+// prompt after a shared system prompt; spread moves every arrival by a
+// seeded draw within its gap instead.
+func burstTrace(n, size int, gap time.Duration, spread bool) []sim.Request {
+	const system, own = 1024, 3072
+	var reqs []sim.Request
+	x := uint64(7)
+	for b := range n {
+		for i := range size {
+			toks := make([]uint32, system+own)
+			for j := range toks {
+				if j < system {
+					toks[j] = uint32(j + 1)
+				} else {
+					toks[j] = uint32(1_000_000 + (b*size+i)*own + j)
+				}
+			}
+			at := time.Duration(b) * gap
+			if spread {
+				x = x*6364136223846793005 + 1442695040888963407
+				at += time.Duration(x>>11) % gap
+			}
+			reqs = append(reqs, sim.Request{Arrival: at, Tokens: toks, OutputLen: 200})
+		}
+	}
+	slices.SortStableFunc(reqs, func(a, b sim.Request) int { return int(a.Arrival - b.Arrival) })
+	return reqs
+}
+
+func ttftP90(t *testing.T, res *sim.Result) time.Duration {
+	t.Helper()
+	var ttft []time.Duration
+	for _, q := range res.Requests {
+		if q.Err != "" {
+			t.Fatal(q.Err)
+		}
+		ttft = append(ttft, q.TTFT)
+	}
+	slices.Sort(ttft)
+	return ttft[len(ttft)*9/10]
+}
+
+// TestReplicasTakeTurnsInBursts: bursts reach four synced replicas at one
+// instant; deciding blind to each other they herd, and their TTFT tail
+// is worse than one replica's; taking turns (routing/burst) brings it
+// back near one replica's. Arrivals spread in time never wait, and then
+// the run is the run without turns, decision for decision.
+func TestReplicasTakeTurnsInBursts(t *testing.T) {
+	reqs := burstTrace(80, 12, 400*time.Millisecond, false)
+	base := sim.Config{Workers: make([]sim.WorkerConfig, 8), Policy: "kvbandit", KVEvents: true, Seed: 1, ScrapeInterval: time.Second, SyncDelay: 2 * time.Millisecond}
+	one := base
+	blind, turns := base, base
+	blind.Replicas, blind.Sync, blind.NoTurns = 4, sim.SyncNATS, true
+	turns.Replicas, turns.Sync = 4, sim.SyncNATS
+	p1, pb := ttftP90(t, runSim(t, one, reqs)), ttftP90(t, runSim(t, blind, reqs))
+	rt := runSim(t, turns, reqs)
+	pt := ttftP90(t, rt)
+	t.Logf("TTFT p90: one replica %v, four blind %v, four in turn %v (%d of %d decisions waited)", p1, pb, pt, rt.Held, rt.Decisions)
+	if rt.Held == 0 || pt >= pb || float64(pt) > 1.1*float64(p1) {
+		t.Errorf("turns: p90 %v (blind %v, one replica %v), %d held: want below blind and within 10%% of one replica", pt, pb, p1, rt.Held)
+	}
+
+	spread := burstTrace(80, 12, 400*time.Millisecond, true)
+	rs, rb := runSim(t, turns, spread), runSim(t, blind, spread)
+	if rs.Held != 0 {
+		t.Errorf("spread arrivals: %d decisions waited", rs.Held)
+	}
+	if !reflect.DeepEqual(rs.Requests, rb.Requests) {
+		t.Error("spread arrivals: turns changed decisions though nobody waited")
+	}
+}

@@ -73,6 +73,9 @@ type Result struct {
 	// peers at the end, after the last items were delivered (0: every
 	// end reached every peer). All 0 with SyncNone.
 	SyncItems, SyncMessages, SyncErrors, SyncOpen int
+	// Held counts the requests that waited for their replica's turn in a
+	// burst (routing/burst); 0 with one replica or SyncNone.
+	Held int
 }
 
 // MessagesPerDecision is SyncMessages over Decisions (0 without any).

@@ -121,6 +121,8 @@ type simulation struct {
 	reps      []*replica
 	entryRand *routing.Rand
 	syncDelay time.Duration
+	// held are the requests waiting for their replica's turn.
+	held heldQueue
 	// scrapeEvery is Config.ScrapeInterval.
 	scrapeEvery time.Duration
 	vc          *clock.Virtual
@@ -249,13 +251,14 @@ func (s *simulation) loop(schedule []Change) error {
 		if next < len(s.reqs) {
 			tArr = s.reqs[next].Arrival
 		}
+		tHeld := s.held.next()
 		if change < len(schedule) {
 			tChg = schedule[change].At
 		}
 		if ev, ok := s.events.peek(); ok {
 			tStep = ev.at
 		}
-		t := min(tArr, tChg, tStep)
+		t := min(tArr, tChg, tStep, tHeld)
 		if t == never {
 			return nil
 		}
@@ -290,6 +293,9 @@ func (s *simulation) loop(schedule []Change) error {
 			ch := schedule[change]
 			change++
 			s.after(ch.Worker, s.workers[ch.Worker].setSpeed(ch.Speed, t))
+		case tHeld:
+			h := s.held.pop()
+			s.route(h.i, h.rep, h.req)
 		default:
 			s.arrive(next)
 			next++
@@ -300,7 +306,9 @@ func (s *simulation) loop(schedule []Change) error {
 	}
 }
 
-// arrive routes request i and queues it on the chosen worker.
+// arrive takes request i in through a replica and routes it, at once or,
+// in a burst across synced replicas, at its replica's turn
+// (routing/burst).
 func (s *simulation) arrive(i int) {
 	r := &s.reqs[i]
 	rr := &s.res.Requests[i]
@@ -312,6 +320,19 @@ func (s *simulation) arrive(i int) {
 		ID: strconv.Itoa(i), Model: routing.ModelName(r.Model), Tenant: r.Tenant,
 		Tokens: r.Tokens, TokenCount: len(r.Tokens), Hints: r.Hints, Arrival: s.vc.Now(),
 	}
+	if at := rep.eng.Turn(req); !at.IsZero() {
+		s.res.Held++
+		s.held.push(heldRequest{at: at.Sub(epoch), i: i, rep: rep, req: req})
+		return
+	}
+	s.route(i, rep, req)
+}
+
+// route picks request i's endpoint on replica rep and queues it on the
+// chosen worker.
+func (s *simulation) route(i int, rep *replica, req *routing.Request) {
+	r := &s.reqs[i]
+	rr := &s.res.Requests[i]
 	t0 := time.Now()
 	d, err := rep.eng.Pick(s.ctx, req)
 	s.res.DecisionTime += time.Since(t0)

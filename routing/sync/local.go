@@ -175,6 +175,7 @@ func (s *Syncer) run() {
 			snapshot()
 		case <-sweep.C:
 			s.sweep()
+			s.place()
 		}
 	}
 }
