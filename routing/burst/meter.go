@@ -22,7 +22,7 @@ const (
 	DefaultThreshold = 1
 	// DefaultMinArrivals is how many own arrivals the horizon must hold
 	// before the Meter judges the traffic bursty.
-	DefaultMinArrivals = 32
+	DefaultMinArrivals = 8
 	// ringSize is how many of its own arrivals and decisions the Meter
 	// remembers. Beyond it within one window the counts saturate (they
 	// err towards "not bursty").

@@ -177,9 +177,9 @@ func sortTimes(ts []time.Time) {
 // TestTooFewArrivals: a handful of arrivals cannot tell a burst.
 func TestTooFewArrivals(t *testing.T) {
 	m := newMeter(t, Config{})
-	for _, at := range bursts(m, 1, 2, 3, 4, 4) {
+	for _, at := range bursts(m, 1, 2, 2, 3, 3) {
 		if !at.IsZero() {
-			t.Errorf("waited after 12 arrivals (MinArrivals %d)", DefaultMinArrivals)
+			t.Errorf("waited after 6 arrivals (MinArrivals %d)", DefaultMinArrivals)
 		}
 	}
 }
