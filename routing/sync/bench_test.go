@@ -4,7 +4,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/engine"
 )
@@ -18,7 +17,7 @@ import (
 //
 //	go test -run '^$' -bench LocalSide -benchmem ./routing/sync/
 func BenchmarkLocalSide(b *testing.B) {
-	srv := natsenv.Start(b, natsenv.Options{})
+	srv := startNATS(b)
 	for _, c := range []struct {
 		name        string
 		hooks, peer bool

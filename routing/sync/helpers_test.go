@@ -10,6 +10,14 @@ import (
 	"github.com/kvbandit/kvbandit/routing/sync/wire"
 )
 
+// startNATS starts a nats-server that requires a user and password (as
+// every deployment should: routing/sync refuses to connect without
+// credentials unless told to).
+func startNATS(t testing.TB) *natsenv.Server {
+	t.Helper()
+	return natsenv.Start(t, natsenv.Options{User: "kvbandit", Password: "test-secret"})
+}
+
 // publisher is a raw NATS connection that sends hand-made sync messages.
 type publisher struct {
 	nc     *nats.Conn
@@ -18,7 +26,7 @@ type publisher struct {
 
 func rawPublisher(t testing.TB, srv *natsenv.Server, prefix string) *publisher {
 	t.Helper()
-	nc, err := nats.Connect(srv.URL())
+	nc, err := nats.Connect(srv.URL(), srv.ClientOptions()...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,7 +9,6 @@ import (
 
 	dto "github.com/prometheus/client_model/go"
 
-	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/sync/wire"
@@ -43,7 +42,7 @@ func (k *kvSink) received() []wire.KVEvents {
 // own; an endpoint B refuses is counted; a peer without the callback
 // drops them (counted).
 func TestKVEventsRepublished(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := startNATS(t)
 	sa, sb := &kvSink{}, &kvSink{fail: "10.9.9.9:1"}
 	a := newNodeDeps(t, testConfig(srv, "a"), engine.Options{}, true, Deps{OnKVEvents: sa.on})
 	b := newNodeDeps(t, testConfig(srv, "b"), engine.Options{}, true, Deps{OnKVEvents: sb.on})

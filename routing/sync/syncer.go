@@ -46,6 +46,11 @@ const (
 // ErrConfig is wrapped by New for an invalid Config.
 var ErrConfig = errors.New("sync: invalid config")
 
+// ErrNoCredentials is wrapped (with ErrConfig) by New for a Config with
+// no credentials and without AllowAnonymous: on a NATS server that lets
+// anyone in, every client would be a trusted peer.
+var ErrNoCredentials = errors.New("sync: no NATS credentials (user/password, token, nkey seed file, creds file or an mTLS client certificate)")
+
 // Config configures a Syncer. Zero durations and limits take the defaults
 // above.
 type Config struct {
@@ -58,11 +63,18 @@ type Config struct {
 	// SubjectPrefix is the subject prefix; default "kvbandit.<pool>".
 	SubjectPrefix string
 
-	// Authentication: a credentials file, or user and password, or a
-	// token (at most one of them).
+	// Authentication: a credentials file (JWT and nkey seed), or user and
+	// password, or a token, or an nkey seed file (at most one of them),
+	// and/or a TLS client certificate (TLS.Cert, mTLS). One of them is
+	// required unless AllowAnonymous is set.
 	CredsFile      string
 	User, Password string
 	Token          string
+	NkeyFile       string
+	// AllowAnonymous lets the syncer connect without credentials (a
+	// warning is logged at Start): then any client the NATS server lets
+	// in can act as a peer.
+	AllowAnonymous bool
 	// TLS configures TLS and mutual TLS.
 	TLS TLSConfig
 
@@ -158,17 +170,8 @@ func (c *Config) defaults() error {
 	if strings.ContainsAny(c.SubjectPrefix, " \t\r\n*>") || strings.HasPrefix(c.SubjectPrefix, ".") || strings.HasSuffix(c.SubjectPrefix, ".") || strings.Contains(c.SubjectPrefix, "..") {
 		return fmt.Errorf("%w: subject prefix %q", ErrConfig, c.SubjectPrefix)
 	}
-	n := 0
-	for _, set := range []bool{c.CredsFile != "", c.User != "" || c.Password != "", c.Token != ""} {
-		if set {
-			n++
-		}
-	}
-	if n > 1 {
-		return fmt.Errorf("%w: credentials file, user/password and token are exclusive", ErrConfig)
-	}
-	if (c.TLS.Cert == "") != (c.TLS.Key == "") {
-		return fmt.Errorf("%w: tls cert and key go together", ErrConfig)
+	if err := c.checkCredentials(); err != nil {
+		return err
 	}
 	def := func(d *time.Duration, v time.Duration) {
 		if *d <= 0 {
@@ -204,6 +207,34 @@ func (c *Config) defaults() error {
 		c.MaxKVQueueBytes = DefaultMaxKVQueueBytes
 	}
 	return nil
+}
+
+// checkCredentials: at most one of creds file, user/password, token and
+// nkey seed file; a TLS cert with its key; and some credential unless
+// AllowAnonymous.
+func (c *Config) checkCredentials() error {
+	n := 0
+	for _, set := range []bool{c.CredsFile != "", c.User != "" || c.Password != "", c.Token != "", c.NkeyFile != ""} {
+		if set {
+			n++
+		}
+	}
+	if n > 1 {
+		return fmt.Errorf("%w: credentials file, user/password, token and nkey seed file are exclusive", ErrConfig)
+	}
+	if (c.TLS.Cert == "") != (c.TLS.Key == "") {
+		return fmt.Errorf("%w: tls cert and key go together", ErrConfig)
+	}
+	if n == 0 && c.TLS.Cert == "" && !c.AllowAnonymous {
+		return fmt.Errorf("%w: %w", ErrConfig, ErrNoCredentials)
+	}
+	return nil
+}
+
+// Anonymous reports whether the configuration connects without
+// credentials (AllowAnonymous and none given).
+func (c *Config) Anonymous() bool {
+	return c.CredsFile == "" && c.User == "" && c.Password == "" && c.Token == "" && c.NkeyFile == "" && c.TLS.Cert == ""
 }
 
 // subjectToken makes a pool name usable as one subject token.
@@ -328,6 +359,9 @@ func (s *Syncer) Start(e Engine) error {
 	if err != nil {
 		return err
 	}
+	if s.cfg.Anonymous() {
+		s.log.Warn("NATS without credentials (--sync-allow-anonymous): any client the NATS server lets in can act as a peer replica; give the replicas credentials (docs/security.md)")
+	}
 	s.rmu.Lock()
 	s.eng = e
 	s.rmu.Unlock()
@@ -410,6 +444,12 @@ func (s *Syncer) natsOptions() ([]nats.Option, error) {
 		opts = append(opts, nats.UserInfo(c.User, c.Password))
 	case c.Token != "":
 		opts = append(opts, nats.Token(c.Token))
+	case c.NkeyFile != "":
+		opt, err := nats.NkeyOptionFromSeed(c.NkeyFile)
+		if err != nil {
+			return nil, fmt.Errorf("%w: nkey seed file: %w", ErrConfig, err)
+		}
+		opts = append(opts, opt)
 	}
 	if c.TLS.enabled() {
 		tc, err := c.TLS.config()
@@ -465,7 +505,7 @@ func (s *Syncer) connectFailed(err error) {
 	if s.authLog.allow(err.Error(), time.Now()) {
 		msg := "NATS connect failed: routing on local state, retrying"
 		if errors.Is(err, nats.ErrAuthorization) || strings.Contains(strings.ToLower(err.Error()), "authorization") {
-			msg = "NATS rejected the credentials (check sync.nats user/password, token or creds_file): routing on local state, retrying"
+			msg = "NATS rejected the credentials (check sync.nats user/password, token, nkey_file or creds_file): routing on local state, retrying"
 		}
 		s.log.Error(msg, "err", err, "servers", s.cfg.Servers)
 	}
