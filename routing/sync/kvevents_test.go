@@ -92,7 +92,7 @@ func TestKVEventsRepublished(t *testing.T) {
 // payloads stay within MaxKVQueueBytes and the excess is dropped
 // (kv_queue), never blocking the caller.
 func TestKVEventsQueueBound(t *testing.T) {
-	cfg := Config{Servers: []string{"nats://127.0.0.1:1"}, Pool: "p", Replica: "a", MaxKVQueueBytes: 4 << 20}
+	cfg := Config{Servers: []string{"nats://127.0.0.1:1"}, Pool: "p", Replica: "a", Token: "t", MaxKVQueueBytes: 4 << 20}
 	s, err := New(cfg, Deps{})
 	if err != nil {
 		t.Fatal(err)
