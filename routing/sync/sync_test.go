@@ -270,7 +270,10 @@ func TestSharesInFlightAndEnds(t *testing.T) {
 
 	for _, d := range ds {
 		d.Prefilled()
-		o := routing.Outcome{Kind: routing.OutcomeSuccess, Status: 200, TTFT: 80 * time.Millisecond, Latency: time.Second, PromptTokens: 256, CompletionTokens: 10, CachedTokens: 0}
+		// Timings as the data plane measures them: since the decision
+		// (peers check them against how long it was open on their clock).
+		took := time.Since(d.At)
+		o := routing.Outcome{Kind: routing.OutcomeSuccess, Status: 200, TTFT: took / 2, Latency: took, PromptTokens: 256, CompletionTokens: 10, CachedTokens: 0}
 		d.Done(o)
 	}
 	for _, n := range []*node{b, c} {

@@ -41,6 +41,13 @@ const (
 	// DefaultDecisionTTL is the TTL sent with every Start: how long peers
 	// keep a decision without an End (the engine's stale bound).
 	DefaultDecisionTTL = engine.DefaultStaleAfter
+	// DefaultMaxPeerInFlight bounds one peer's open decisions: what one
+	// replica at the default --max-inflight (1024) could hold, with as
+	// many proxy requests.
+	DefaultMaxPeerInFlight = 2048
+	// DefaultOutcomeSlack is how much longer than a decision was open
+	// here its outcome may say it took (sync delay, batching).
+	DefaultOutcomeSlack = 500 * time.Millisecond
 )
 
 // ErrConfig is wrapped by New for an invalid Config.
@@ -95,6 +102,20 @@ type Config struct {
 	// serve sets it to --max-body-bytes: a token takes at least a byte
 	// of the body a replica accepts. Default routing.MaxRemoteTokens.
 	MaxRemoteTokens int
+	// MaxPeerInFlight bounds the open decisions one peer may claim, and
+	// MaxPeerPrefillTokens the prompt tokens of those not prefilled yet;
+	// a Start past either is refused (reasons "peer_inflight",
+	// "peer_prefill_tokens"). Defaults DefaultMaxPeerInFlight and
+	// MaxPeerInFlight × MaxRemoteTokens: what one replica could hold.
+	MaxPeerInFlight      int
+	MaxPeerPrefillTokens int64
+	// OutcomeSlack bounds how much a peer's outcome's TTFT and latency
+	// may exceed the time its decision was open here (and the latency
+	// fall short of it); default DefaultOutcomeSlack.
+	OutcomeSlack time.Duration
+	// Claims configures the check of peers' decisions against the
+	// workers' own request counts (ClaimCheck).
+	Claims ClaimCheck
 	// ReconnectWait is the pause between reconnect attempts (plus up to
 	// half of it at random).
 	ReconnectWait time.Duration
@@ -187,6 +208,14 @@ func (c *Config) defaults() error {
 	if c.MaxRemoteTokens <= 0 || c.MaxRemoteTokens > routing.MaxRemoteTokens {
 		c.MaxRemoteTokens = routing.MaxRemoteTokens
 	}
+	if c.MaxPeerInFlight <= 0 {
+		c.MaxPeerInFlight = DefaultMaxPeerInFlight
+	}
+	if c.MaxPeerPrefillTokens <= 0 {
+		c.MaxPeerPrefillTokens = int64(c.MaxPeerInFlight) * int64(c.MaxRemoteTokens)
+	}
+	def(&c.OutcomeSlack, DefaultOutcomeSlack)
+	c.Claims.defaults()
 	def(&c.ReconnectWait, DefaultReconnectWait)
 	if c.PeerTTL <= c.HeartbeatInterval {
 		return fmt.Errorf("%w: peer TTL %v must exceed the heartbeat interval %v", ErrConfig, c.PeerTTL, c.HeartbeatInterval)
@@ -265,7 +294,10 @@ type Syncer struct {
 	spare    []wire.Item
 	qbytes   int
 	inflight map[uint64]*wire.Start
-	kick     chan struct{} // the queue went from empty to not empty
+	// inflightAt is when each in-flight decision was made (s.clk), for
+	// the claim checks (vouch.go).
+	inflightAt map[uint64]time.Time
+	kick       chan struct{} // the queue went from empty to not empty
 	urgent   chan struct{} // the queue nears a message's size
 	resnap   chan struct{} // send a snapshot now (reconnected, a peer came back)
 	kvQueue  []wire.KVEvents
@@ -280,7 +312,10 @@ type Syncer struct {
 	dec    wire.Decoder
 	peers  map[string]*peer
 	seen   seenIDs // ids without a slot, by how often they were heard
-	closed bool
+	// suspects are ids whose claims were refuted, or quarantined
+	// (trust.go); at most MaxPeers.
+	suspects map[string]*suspect
+	closed   bool
 	onKV   func(endpoint string, seq uint64, payload []byte) error
 
 	nc        *nats.Conn
@@ -288,6 +323,9 @@ type Syncer struct {
 	connected atomic.Bool
 	authLog   logLimiter
 	peerLines lineBudget
+	// refuteLines and claimLines bound refutation and quarantine lines.
+	refuteLines, claimLines lineBudget
+	claims                  claimCheckState // the flusher's (sweep)
 	stop      chan struct{}
 	wg        stdsync.WaitGroup
 	started   bool
@@ -311,7 +349,7 @@ func New(cfg Config, deps Deps) (*Syncer, error) {
 	}
 	s := &Syncer{
 		cfg: cfg, log: deps.Logger.With("component", "sync", "replica", cfg.Replica, "pool", cfg.Pool), clk: deps.Clock,
-		inflight: make(map[uint64]*wire.Start),
+		inflight: make(map[uint64]*wire.Start), inflightAt: make(map[uint64]time.Time), suspects: make(map[string]*suspect),
 		kick:     make(chan struct{}, 1), urgent: make(chan struct{}, 1), resnap: make(chan struct{}, 1), kvKick: make(chan struct{}, 1),
 		peers: make(map[string]*peer), stop: make(chan struct{}), onKV: deps.OnKVEvents,
 	}
@@ -327,6 +365,8 @@ func New(cfg Config, deps Deps) (*Syncer, error) {
 	}
 	s.authLog.every = 30 * time.Second
 	s.peerLines.burst, s.peerLines.window = peerLinesBurst, peerLinesWindow
+	s.refuteLines.burst, s.refuteLines.window = quarantineLinesBurst/2, peerLinesWindow
+	s.claimLines.burst, s.claimLines.window = quarantineLinesBurst/2, peerLinesWindow
 	s.seen.max = 4 * cfg.MaxPeers
 	m, err := newMetrics(deps.Registry, s)
 	if err != nil {
@@ -568,6 +608,7 @@ func (s *Syncer) Close() error {
 			p.endAll()
 			delete(s.peers, id)
 		}
+		s.suspects = nil
 		s.rmu.Unlock()
 	})
 	return nil
