@@ -298,25 +298,25 @@ type Syncer struct {
 	// the claim checks (vouch.go).
 	inflightAt map[uint64]time.Time
 	kick       chan struct{} // the queue went from empty to not empty
-	urgent   chan struct{} // the queue nears a message's size
-	resnap   chan struct{} // send a snapshot now (reconnected, a peer came back)
-	kvQueue  []wire.KVEvents
-	kvBytes  int
-	kvKick   chan struct{} // the KV-event queue went from empty to not empty
-	seq      uint64        // flusher only
-	buf      []byte        // flusher only
+	urgent     chan struct{} // the queue nears a message's size
+	resnap     chan struct{} // send a snapshot now (reconnected, a peer came back)
+	kvQueue    []wire.KVEvents
+	kvBytes    int
+	kvKick     chan struct{} // the KV-event queue went from empty to not empty
+	seq        uint64        // flusher only
+	buf        []byte        // flusher only
 
 	// Remote side.
-	rmu    stdsync.Mutex
-	eng    Engine
-	dec    wire.Decoder
-	peers  map[string]*peer
-	seen   seenIDs // ids without a slot, by how often they were heard
+	rmu   stdsync.Mutex
+	eng   Engine
+	dec   wire.Decoder
+	peers map[string]*peer
+	seen  seenIDs // ids without a slot, by how often they were heard
 	// suspects are ids whose claims were refuted, or quarantined
 	// (trust.go); at most MaxPeers.
 	suspects map[string]*suspect
 	closed   bool
-	onKV   func(endpoint string, seq uint64, payload []byte) error
+	onKV     func(endpoint string, seq uint64, payload []byte) error
 
 	nc        *nats.Conn
 	sub       *nats.Subscription
@@ -326,10 +326,10 @@ type Syncer struct {
 	// refuteLines and claimLines bound refutation and quarantine lines.
 	refuteLines, claimLines lineBudget
 	claims                  claimCheckState // the flusher's (sweep)
-	stop      chan struct{}
-	wg        stdsync.WaitGroup
-	started   bool
-	closeOnce stdsync.Once
+	stop                    chan struct{}
+	wg                      stdsync.WaitGroup
+	started                 bool
+	closeOnce               stdsync.Once
 }
 
 // New checks cfg and makes a Syncer. It does not connect: its hooks may
@@ -350,7 +350,7 @@ func New(cfg Config, deps Deps) (*Syncer, error) {
 	s := &Syncer{
 		cfg: cfg, log: deps.Logger.With("component", "sync", "replica", cfg.Replica, "pool", cfg.Pool), clk: deps.Clock,
 		inflight: make(map[uint64]*wire.Start), inflightAt: make(map[uint64]time.Time), suspects: make(map[string]*suspect),
-		kick:     make(chan struct{}, 1), urgent: make(chan struct{}, 1), resnap: make(chan struct{}, 1), kvKick: make(chan struct{}, 1),
+		kick: make(chan struct{}, 1), urgent: make(chan struct{}, 1), resnap: make(chan struct{}, 1), kvKick: make(chan struct{}, 1),
 		peers: make(map[string]*peer), stop: make(chan struct{}), onKV: deps.OnKVEvents,
 	}
 	if deps.Rand != nil {
