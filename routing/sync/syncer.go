@@ -294,42 +294,44 @@ type Syncer struct {
 	spare    []wire.Item
 	qbytes   int
 	inflight map[uint64]*wire.Start
+	kick     chan struct{} // the queue went from empty to not empty
+	urgent   chan struct{} // the queue nears a message's size
+	resnap   chan struct{} // send a snapshot now (reconnected, a peer came back)
+	kvQueue  []wire.KVEvents
+	kvBytes  int
+	kvKick   chan struct{} // the KV-event queue went from empty to not empty
+	seq      uint64        // flusher only
+	buf      []byte        // flusher only
 	// inflightAt is when each in-flight decision was made (s.clk), for
 	// the claim checks (vouch.go).
 	inflightAt map[uint64]time.Time
-	kick       chan struct{} // the queue went from empty to not empty
-	urgent     chan struct{} // the queue nears a message's size
-	resnap     chan struct{} // send a snapshot now (reconnected, a peer came back)
-	kvQueue    []wire.KVEvents
-	kvBytes    int
-	kvKick     chan struct{} // the KV-event queue went from empty to not empty
-	seq        uint64        // flusher only
-	buf        []byte        // flusher only
 
 	// Remote side.
-	rmu   stdsync.Mutex
-	eng   Engine
-	dec   wire.Decoder
-	peers map[string]*peer
-	seen  seenIDs // ids without a slot, by how often they were heard
+	rmu    stdsync.Mutex
+	eng    Engine
+	dec    wire.Decoder
+	peers  map[string]*peer
+	seen   seenIDs // ids without a slot, by how often they were heard
+	closed bool
+	onKV   func(endpoint string, seq uint64, payload []byte) error
 	// suspects are ids whose claims were refuted, or quarantined
 	// (trust.go); at most MaxPeers.
 	suspects map[string]*suspect
-	closed   bool
-	onKV     func(endpoint string, seq uint64, payload []byte) error
 
 	nc        *nats.Conn
 	sub       *nats.Subscription
 	connected atomic.Bool
 	authLog   logLimiter
 	peerLines lineBudget
-	// refuteLines and claimLines bound refutation and quarantine lines.
+	stop      chan struct{}
+	wg        stdsync.WaitGroup
+	started   bool
+	closeOnce stdsync.Once
+
+	// refuteLines and claimLines bound refutation and quarantine lines;
+	// claims is the flusher's state of the claim check (sweep).
 	refuteLines, claimLines lineBudget
-	claims                  claimCheckState // the flusher's (sweep)
-	stop                    chan struct{}
-	wg                      stdsync.WaitGroup
-	started                 bool
-	closeOnce               stdsync.Once
+	claims                  claimCheckState
 }
 
 // New checks cfg and makes a Syncer. It does not connect: its hooks may
