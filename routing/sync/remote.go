@@ -31,6 +31,10 @@ type peer struct {
 	msgs   uint64
 	// trust bounds what it may claim (trust.go).
 	trust peerTrust
+	// candEpoch is another epoch heard since the current one was last
+	// heard, first at candSince (takeEpoch); 0: none.
+	candEpoch uint64
+	candSince time.Time
 }
 
 // Peers become established after establishMsgs messages over at least a
@@ -119,11 +123,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 		s.peerLine(now, slog.LevelInfo, "peer replica joined", "peer", m.Replica)
 		s.signal(s.resnap) // it may have missed our state
 	} else if p.epoch != m.Epoch {
-		if now.Sub(p.lastHeard) < s.epochTakeover() {
-			// The current incarnation was heard just now: a restarted
-			// process is silent for longer than that, so this is a stale
-			// or forged message (a client that flips a real peer's epoch
-			// would otherwise end its decisions at every message).
+		if !s.takeEpoch(p, m.Epoch, now) {
 			s.m.dropped.WithLabelValues("epoch_conflict").Inc()
 			return
 		}
@@ -137,6 +137,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 		// have missed our messages too.
 		s.signal(s.resnap)
 	}
+	p.candEpoch = 0 // the current epoch is alive
 	if p.seq != 0 && m.Seq > p.seq+1 {
 		p.gaps += m.Seq - p.seq - 1
 	}
@@ -323,10 +324,28 @@ func (s *Syncer) sweep() {
 	s.checkClaims(fresh, now)
 }
 
-// epochTakeover is how long a peer's current epoch must be silent before
-// another epoch of the same id is taken for a restart: two heartbeat
-// intervals (a live peer sends at least one heartbeat per interval).
-func (s *Syncer) epochTakeover() time.Duration { return 2 * s.cfg.HeartbeatInterval }
+// takeEpoch reports whether a message of peer p's id with another epoch
+// is its restart. It is when that epoch alone has been heard for two
+// heartbeat intervals (a live peer sends at least one heartbeat per
+// interval): a restarted process's old epoch falls silent, while a client
+// that sends messages with a live peer's id and other epochs (each one a
+// "restart" that ended the peer's decisions) is dropped, whether it
+// alternates epochs (the candidate changes at every message) or keeps
+// one (the live peer's own messages keep resetting it). Messages of the
+// candidate epoch are dropped until it is taken; its snapshot repairs
+// what they carried.
+func (s *Syncer) takeEpoch(p *peer, epoch uint64, now time.Time) bool {
+	if p.candEpoch != epoch {
+		p.candEpoch, p.candSince = epoch, now
+		return false
+	}
+	takeover := 2 * s.cfg.HeartbeatInterval
+	if now.Sub(p.candSince) < takeover || now.Sub(p.lastHeard) < takeover {
+		return false
+	}
+	p.candEpoch = 0
+	return true
+}
 
 // PeerInfo describes one peer replica (/debug/replicas).
 type PeerInfo struct {

@@ -47,6 +47,7 @@ func (w *syncBuf) String() string {
 type node struct {
 	name string
 	e    *engine.Engine
+	spy  *spyEngine // e as the Syncer sees it
 	pol  *kvbandit.Policy
 	s    *Syncer
 	reg  *prometheus.Registry
@@ -128,7 +129,8 @@ func newNodeDeps(t testing.TB, cfg Config, opts engine.Options, hooks bool, deps
 	})
 	t.Cleanup(e.Close)
 	t.Cleanup(func() { _ = s.Close() })
-	if err := s.Start(e); err != nil {
+	n.spy = &spyEngine{Engine: e}
+	if err := s.Start(n.spy); err != nil {
 		t.Fatal(err)
 	}
 	return n
