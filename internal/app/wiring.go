@@ -330,6 +330,8 @@ func newSyncer(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus
 		// A replica holds at most --max-inflight ext_proc streams and as
 		// many proxy requests; each may claim MaxRemoteTokens to prefill.
 		MaxPeerInFlight: cmp.Or(sc.MaxPeerInFlight, 2*o.MaxInflight), MaxPeerPrefillTokens: sc.MaxPeerPrefillTokens,
+		// A scrape is fresh for two intervals (and its timeout).
+		Claims: rsync.ClaimCheck{MaxLoadAge: 2*o.ScrapeInterval + o.ScrapeTimeout},
 	}, rsync.Deps{Logger: log, Registry: reg, OnKVEvents: onKV})
 	if err != nil {
 		return nil, syncConfigError(err)
