@@ -60,6 +60,7 @@ type remote struct {
 	isl       int64
 	prefilled bool // its first token came
 	learned   bool // its outcome was learnt
+	vouched   bool // a fresh scrape of its endpoint counted it (vouch.go)
 }
 
 // endAll ends every decision of the peer (it restarted, left or was

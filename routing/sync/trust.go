@@ -36,10 +36,10 @@ type peerTrust struct {
 
 // endedDecision is an ended peer decision whose outcome may still come.
 type endedDecision struct {
-	endpoint         routing.EndpointKey
-	rank             int32
-	applied, endedAt time.Time
-	refuted, learned bool
+	endpoint                  routing.EndpointKey
+	rank                      int32
+	applied, endedAt          time.Time
+	refuted, learned, vouched bool
 }
 
 // remember keeps an ended decision for its outcome, forgetting the
@@ -123,14 +123,18 @@ func (p *peer) release(id uint64, r *remote, now time.Time, refuted, gone bool) 
 	}
 	delete(p.decisions, id)
 	if !gone {
-		p.trust.remember(id, endedDecision{endpoint: r.endpoint, rank: r.rank, applied: r.applied, endedAt: now, refuted: refuted, learned: r.learned})
+		p.trust.remember(id, endedDecision{endpoint: r.endpoint, rank: r.rank, applied: r.applied, endedAt: now, refuted: refuted, learned: r.learned, vouched: r.vouched})
 	}
 }
 
 // learn applies a peer's outcome if it is one of the peer's own decisions
 // applied here and not refuted, not learnt yet, with the decision's
-// endpoint and rank, and timings that fit how long the decision was open
-// on this replica's clock. Anything else is counted by reason.
+// endpoint and rank, timings that fit how long the decision was open on
+// this replica's clock, and, where the endpoint's load is freshly
+// scraped, vouched for by a scrape while it was open (a decision opened
+// and closed between two scrapes is one no worker saw). So a peer's
+// outcomes never outnumber its decisions the workers counted. Anything
+// else is counted by reason.
 func (s *Syncer) learn(p *peer, o *wire.Outcome, now time.Time) {
 	reason := s.checkOutcome(p, o, now)
 	if reason != "" {
@@ -153,13 +157,13 @@ func (s *Syncer) checkOutcome(p *peer, o *wire.Outcome, now time.Time) string {
 	var ep routing.EndpointKey
 	var rank int32
 	var applied, until time.Time
-	ended := false
+	ended, vouched := false, false
 	if r, ok := p.decisions[o.ID]; ok {
 		if r.learned {
 			return "outcome_duplicate"
 		}
 		r.learned = true
-		ep, rank, applied, until = r.endpoint, r.rank, r.applied, now
+		ep, rank, applied, until, vouched = r.endpoint, r.rank, r.applied, now, r.vouched
 	} else if d, ok := p.trust.ended[o.ID]; ok {
 		switch {
 		case d.refuted:
@@ -169,7 +173,7 @@ func (s *Syncer) checkOutcome(p *peer, o *wire.Outcome, now time.Time) string {
 		}
 		d.learned = true
 		p.trust.ended[o.ID] = d
-		ep, rank, applied, until, ended = d.endpoint, d.rank, d.applied, d.endedAt, true
+		ep, rank, applied, until, ended, vouched = d.endpoint, d.rank, d.applied, d.endedAt, true, d.vouched
 	} else {
 		return "outcome_unmatched"
 	}
@@ -184,7 +188,21 @@ func (s *Syncer) checkOutcome(p *peer, o *wire.Outcome, now time.Time) string {
 	if ttft > open+slack || lat > open+slack || (ended && lat > 0 && lat+slack < open) {
 		return "outcome_implausible"
 	}
+	if !vouched && s.freshLoad(ep, now) {
+		return "outcome_unvouched"
+	}
 	return ""
+}
+
+// freshLoad reports whether the claim check applies to ep now: its load
+// was scraped within Claims.MaxLoadAge.
+func (s *Syncer) freshLoad(ep routing.EndpointKey, now time.Time) bool {
+	lr, ok := s.eng.(LoadReader)
+	if s.cfg.Claims.Disabled || !ok {
+		return false
+	}
+	sl, ok := lr.ScrapedLoadOf(ep)
+	return ok && sl.Load.Known && !sl.Load.Stale && !sl.At.IsZero() && now.Sub(sl.At) <= s.cfg.Claims.MaxLoadAge
 }
 
 // forgetPeer ends a peer's decisions and has the engine drop what the
@@ -225,10 +243,10 @@ func (s *Syncer) quarantined(id string, now time.Time) bool {
 }
 
 // strike counts one refutation round against p; Claims.Strikes of them
-// within Claims.StrikeWindow quarantine it for Claims.Quarantine: its
-// decisions end, its Starts and outcomes are refused, and the engine
-// forgets what it taught.
-func (s *Syncer) strike(p *peer, now time.Time) {
+// within Claims.StrikeWindow (or this one, when atOnce) quarantine it for
+// Claims.Quarantine: its decisions end, its Starts and outcomes are
+// refused, and the engine forgets what it taught.
+func (s *Syncer) strike(p *peer, now time.Time, atOnce bool) {
 	c := &s.cfg.Claims
 	sp := s.suspects[p.replica]
 	if sp == nil {
@@ -243,7 +261,7 @@ func (s *Syncer) strike(p *peer, now time.Time) {
 		}
 	}
 	sp.strikes = append(keep, now)
-	if len(sp.strikes) < c.Strikes || now.Before(sp.until) {
+	if (len(sp.strikes) < c.Strikes && !atOnce) || now.Before(sp.until) {
 		return
 	}
 	sp.until, sp.strikes = now.Add(c.Quarantine), nil

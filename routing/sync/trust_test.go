@@ -95,6 +95,7 @@ func TestClaimsRefutedAndQuarantined(t *testing.T) {
 	srv := startNATS(t)
 	cfg := claimsConfig(testConfig(srv, "b"))
 	cfg.Claims.Quarantine = 1500 * time.Millisecond
+	cfg.Claims.QuarantineAt = 1000 // by strikes here: TestQuarantineAtOnce
 	cfg.PeerTTL = 5 * time.Second
 	b := newNode(t, cfg, engine.Options{})
 	waitFor(t, 5*time.Second, "b connected", func() bool { return !b.s.Degraded() })
@@ -205,7 +206,9 @@ func TestRefutedOutcomesDropped(t *testing.T) {
 // leaves the honest peer's decisions alone; only the rogue gets a strike.
 func TestClaimsBlameTheLargest(t *testing.T) {
 	srv := startNATS(t)
-	b := newNode(t, claimsConfig(testConfig(srv, "b")), engine.Options{})
+	cfg := claimsConfig(testConfig(srv, "b"))
+	cfg.Claims.QuarantineAt = 1000 // it would lose 45 at once: see the strike
+	b := newNode(t, cfg, engine.Options{})
 	waitFor(t, 5*time.Second, "b connected", func() bool { return !b.s.Degraded() })
 	pub := rawPublisher(t, srv, "kvbandit.p")
 	pub.heartbeats(t, "honest", 100*time.Millisecond)
@@ -385,7 +388,9 @@ func TestEpochFlipsIgnored(t *testing.T) {
 // would report), their engines fed a worker's-eye count (every replica's
 // own open decisions per endpoint, as running) every 200 ms with the
 // default claim-check settings: no decision is refuted, no outcome
-// dropped, and every replica learns its peers' outcomes, keyed by peer.
+// dropped but those of decisions that began and ended between two
+// scrapes (no worker count saw them: outcome_unvouched), and every
+// replica learns its peers' outcomes, keyed by peer.
 func TestHonestReplicasNotRefuted(t *testing.T) {
 	srv := startNATS(t)
 	var nodes []*node
@@ -447,15 +452,77 @@ func TestHonestReplicasNotRefuted(t *testing.T) {
 		if got := n.counter(t, "kvbandit_sync_refuted_total"); got != 0 {
 			t.Errorf("%s refuted %v honest decisions", n.name, got)
 		}
-		if got := n.counter(t, "kvbandit_sync_rejected_total"); got != 0 {
-			t.Errorf("%s rejected %v honest items", n.name, got)
+		unvouched := n.counter(t, "kvbandit_sync_rejected_total", "reason", "outcome_unvouched")
+		if got := n.counter(t, "kvbandit_sync_rejected_total") - unvouched; got != 0 {
+			t.Errorf("%s rejected %v honest items (besides outcomes of decisions no scrape saw)", n.name, got)
 		}
 		taught := n.spy.taught()
-		t.Logf("%s learnt %v outcomes by peer", n.name, taught)
+		t.Logf("%s learnt %v outcomes by peer; %v outcomes of decisions that ended before a scrape counted them not learnt", n.name, taught, unvouched)
 		for _, p := range nodes {
 			if p != n && taught[p.name] == 0 {
 				t.Errorf("%s learnt no outcome of %s", n.name, p.name)
 			}
 		}
+	}
+}
+
+// TestInstantOutcomesUnvouched: where the endpoint's load is freshly
+// scraped, a peer that opens and closes decisions between two scrapes
+// (Start, End and a 1 us outcome in one batch, 100 times) teaches
+// nothing: no worker count saw those decisions. A decision the next
+// scrape counted has its outcome learnt.
+func TestInstantOutcomesUnvouched(t *testing.T) {
+	srv := startNATS(t)
+	b := newNode(t, claimsConfig(testConfig(srv, "b")), engine.Options{})
+	waitFor(t, 5*time.Second, "b connected", func() bool { return !b.s.Degraded() })
+	evil := rawPublisher(t, srv, "kvbandit.p")
+	evil.heartbeats(t, "x", 100*time.Millisecond)
+	b.e.ReportLoad(ep1, routing.Load{Running: 1, Known: true}, 0)
+	var items []wire.Item
+	for i := range 100 {
+		id := uint64(i + 1)
+		items = append(items, start(id, ep1, 32), wire.EndItem(id), outcome(id, ep1, time.Microsecond, time.Microsecond))
+	}
+	items = append(items, start(1000, ep1, 32))
+	evil.sendBatch(t, "x", 1, items...)
+	waitFor(t, 5*time.Second, "the instant outcomes dropped", func() bool {
+		return b.counter(t, "kvbandit_sync_rejected_total", "reason", "outcome_unvouched") == 100
+	})
+	time.Sleep(80 * time.Millisecond) // past the slack
+	b.e.ReportLoad(ep1, routing.Load{Running: 1, Known: true}, 0)
+	waitFor(t, 5*time.Second, "decision 1000 vouched for", func() bool {
+		b.s.rmu.Lock()
+		defer b.s.rmu.Unlock()
+		r := b.s.peers["x"].decisions[1000]
+		return r != nil && r.vouched
+	})
+	evil.sendBatch(t, "x", 2, wire.EndItem(1000), outcome(1000, ep1, 50*time.Millisecond, 100*time.Millisecond))
+	waitFor(t, 5*time.Second, "its outcome learnt", func() bool { return b.spy.taught()["x"] == 1 })
+	if got := b.counter(t, "kvbandit_sync_refuted_total"); got != 0 {
+		t.Errorf("%v refuted", got)
+	}
+}
+
+// TestQuarantineAtOnce: one check that refutes Claims.QuarantineAt (32)
+// or more of a peer's decisions quarantines it at once.
+func TestQuarantineAtOnce(t *testing.T) {
+	srv := startNATS(t)
+	b := newNode(t, claimsConfig(testConfig(srv, "b")), engine.Options{})
+	waitFor(t, 5*time.Second, "b connected", func() bool { return !b.s.Degraded() })
+	evil := rawPublisher(t, srv, "kvbandit.p")
+	evil.heartbeats(t, "x", 100*time.Millisecond)
+	var items []wire.Item
+	for i := range 100 {
+		items = append(items, start(uint64(i+1), ep1, 32), start(uint64(i+1001), ep2, 32))
+	}
+	evil.sendBatch(t, "x", 1, items...)
+	waitFor(t, 5*time.Second, "applied", func() bool { return b.remoteInFlight() == 200 })
+	time.Sleep(80 * time.Millisecond)
+	b.e.ReportLoad(ep1, routing.Load{Known: true}, 0)
+	waitFor(t, 5*time.Second, "quarantined at the first check", func() bool { return b.counter(t, "kvbandit_sync_quarantined_total") == 1 })
+	// Its claims on ep2, which no scrape checked, end with the quarantine.
+	waitFor(t, time.Second, "all its decisions ended", func() bool { return b.remoteInFlight() == 0 })
+	if got := b.counter(t, "kvbandit_sync_refuted_total"); got != 96 {
+		t.Errorf("%v refuted on ep1, want 96 (an idle worker vouches for 4)", got)
 	}
 }

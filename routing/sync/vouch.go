@@ -29,15 +29,18 @@ import (
 // prefilled yet are left out too (a disaggregated request sits on its
 // prefill worker first). When the peers claim more than vouched, the
 // excess is refuted: its decisions end here (kvbandit_sync_refuted_total)
-// and their outcomes will not be learnt. The blame goes to the peers with
+// and their outcomes will not be learnt; the others are vouched for (an
+// outcome is learnt only for a decision a fresh scrape vouched for, where
+// the endpoint's load is fresh: trust.go). The blame goes to the peers with
 // the most claims: the vouched count is shared out max-min fairly (every
 // peer keeps its claims up to a common level, the largest claimants are
 // cut down to it), so an honest peer keeps its decisions unless it holds
 // more than an equal share of what the worker vouches for while another
 // peer over-claims. The peer that loses the most in a check gets a
-// strike (one per sweep); Strikes within StrikeWindow quarantine it for
-// Quarantine: its decisions end, its Starts and outcomes are refused and
-// the engine forgets what it taught (routing.PeerForgetter).
+// strike (one per sweep); Strikes within StrikeWindow, or one check that
+// refutes QuarantineAt of its decisions, quarantine it for Quarantine:
+// its decisions end, its Starts and outcomes are refused and the engine
+// forgets what it taught (routing.PeerForgetter).
 //
 // Without fresh load (no /metrics, a stale or failed scrape) nothing is
 // checked: only the caps apply.
@@ -45,10 +48,11 @@ import (
 // Defaults of ClaimCheck's zero fields.
 const (
 	DefaultClaimMaxLoadAge    = 2 * time.Second
-	DefaultClaimSlack         = 500 * time.Millisecond
+	DefaultClaimSlack         = 250 * time.Millisecond
 	DefaultClaimSlackRequests = 4
 	DefaultClaimSlackFraction = 0.1
 	DefaultClaimStrikes       = 3
+	DefaultClaimQuarantineAt  = 32
 	DefaultClaimStrikeWindow  = 30 * time.Second
 	DefaultClaimQuarantine    = time.Minute
 )
@@ -70,10 +74,13 @@ type ClaimCheck struct {
 	SlackRequests int
 	SlackFraction float64
 	// Strikes checks that cut a peer down most, within StrikeWindow,
-	// quarantine it for Quarantine.
+	// quarantine it for Quarantine; so does one check that refutes
+	// QuarantineAt or more of its decisions (no honest peer is that far
+	// off its worker's count).
 	Strikes      int
 	StrikeWindow time.Duration
 	Quarantine   time.Duration
+	QuarantineAt int
 }
 
 func (c *ClaimCheck) defaults() {
@@ -94,6 +101,9 @@ func (c *ClaimCheck) defaults() {
 	}
 	if c.Strikes <= 0 {
 		c.Strikes = DefaultClaimStrikes
+	}
+	if c.QuarantineAt <= 0 {
+		c.QuarantineAt = DefaultClaimQuarantineAt
 	}
 }
 
@@ -183,15 +193,15 @@ func (s *Syncer) checkClaims(fresh []freshLoad, now time.Time) {
 			}
 		}
 	}
-	struck := map[*peer]bool{}
+	struck := map[*peer]int{} // the most refuted on one endpoint
 	for i := range fresh {
-		if p := s.refute(&fresh[i], c.claims[fresh[i].sl.Endpoint], now); p != nil {
-			struck[p] = true
+		if p, n := s.refute(&fresh[i], c.claims[fresh[i].sl.Endpoint], now); p != nil {
+			struck[p] = max(struck[p], n)
 		}
 		clear(c.claims[fresh[i].sl.Endpoint]) // drop the pointers
 	}
-	for p := range struck {
-		s.strike(p, now)
+	for p, n := range struck {
+		s.strike(p, now, n >= s.cfg.Claims.QuarantineAt)
 	}
 	if len(c.claims) > 2*len(c.loads)+16 {
 		c.claims = nil
@@ -199,9 +209,9 @@ func (s *Syncer) checkClaims(fresh []freshLoad, now time.Time) {
 }
 
 // refute checks one endpoint's claims against its fresh load, ends the
-// unvouched ones, and returns the peer that lost the most (nil when none
-// lost any, or two lost as many).
-func (s *Syncer) refute(f *freshLoad, all []claim, now time.Time) *peer {
+// unvouched ones, and returns the peer that lost the most and how many
+// (nil when none lost any, or two lost as many).
+func (s *Syncer) refute(f *freshLoad, all []claim, now time.Time) (*peer, int) {
 	old := all[:0:0]
 	for _, cl := range all {
 		if cl.r.applied.Before(f.cut) {
@@ -212,13 +222,23 @@ func (s *Syncer) refute(f *freshLoad, all []claim, now time.Time) *peer {
 	cc := &s.cfg.Claims
 	vouched := max(int(worker)-f.local, 0) + cc.SlackRequests + int(math.Ceil(cc.SlackFraction*worker))
 	if len(old) <= vouched {
-		return nil
+		for _, cl := range old {
+			cl.r.vouched = true
+		}
+		return nil, 0
 	}
 	byPeer := map[*peer][]claim{}
 	for _, cl := range old {
 		byPeer[cl.p] = append(byPeer[cl.p], cl)
 	}
 	cut := fairCut(byPeer, vouched)
+	defer func() {
+		for _, cl := range old {
+			if !cl.r.rd.Ended() {
+				cl.r.vouched = true // counted by the worker (what is left)
+			}
+		}
+	}()
 	var top *peer
 	most, tie, total := 0, false, 0
 	for p, n := range cut {
@@ -241,9 +261,9 @@ func (s *Syncer) refute(f *freshLoad, all []claim, now time.Time) *peer {
 			"endpoint", f.sl.Endpoint, "worker_requests", worker, "local", f.local, "claimed", len(old), "refuted", total, "most_refuted_peer", top.replica, "its_refuted", most)
 	}
 	if tie {
-		return nil
+		return nil, 0
 	}
-	return top
+	return top, most
 }
 
 // fairCut shares vouched claims out max-min fairly among the peers (each
