@@ -371,7 +371,9 @@ func TestEpochFlipsIgnored(t *testing.T) {
 	for _, d := range ds {
 		d.Done(routing.NoUsage(routing.OutcomeCancelled))
 	}
-	waitFor(t, time.Second, "A's ends applied", func() bool { return b.remoteInFlight() == 0 })
+	// The flood may still be queued ahead of the Ends (or have pushed
+	// them out: the next snapshot repairs that).
+	waitFor(t, 10*time.Second, "A's ends applied", func() bool { return b.remoteInFlight() == 0 })
 	// A real restart: A stops, a new process takes its id.
 	_ = a.s.Close()
 	a2 := newNode(t, testConfig(srv, "a"), engine.Options{})
