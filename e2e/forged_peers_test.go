@@ -435,6 +435,22 @@ func TestForgedPeers(t *testing.T) {
 	if base.statuses[http.StatusOK] != base.requests || base.failed != 0 {
 		t.Fatalf("the baseline itself failed requests: %v", base)
 	}
+	// Honest replicas under real load, checked against the real workers'
+	// counts: nothing refuted, nobody quarantined, nothing refused but
+	// the outcomes of decisions no scrape saw open.
+	honest := func(what string) {
+		t.Helper()
+		refuted, q := f.counters(t, "kvbandit_sync_refuted_total", nil), f.counters(t, "kvbandit_sync_quarantined_total", nil)
+		unvouched := f.counters(t, "kvbandit_sync_rejected_total", map[string]string{"reason": "outcome_unvouched"})
+		other := f.counters(t, "kvbandit_sync_rejected_total", nil) - unvouched
+		learnt := f.counters(t, "kvbandit_sync_messages_total", map[string]string{"direction": "received", "kind": "batch"})
+		t.Logf("%s, honest replicas only: %v refuted, %v quarantined, %v other items refused; %v outcomes of decisions that began and ended between two scrapes not learnt (%v batches received)",
+			what, refuted, q, other, unvouched, learnt)
+		if refuted != 0 || q != 0 || other != 0 {
+			t.Errorf("%s: honest replicas were refuted (%v), quarantined (%v) or refused (%v)", what, refuted, q, other)
+		}
+	}
+	honest("warm-up and baseline")
 	check := func(p *phase, target string) {
 		t.Helper()
 		if n := p.statuses[http.StatusTooManyRequests]; n > 0 {
@@ -498,8 +514,8 @@ func TestForgedPeers(t *testing.T) {
 		refuted, quarantined := f.counters(t, "kvbandit_sync_refuted_total", nil), f.counters(t, "kvbandit_sync_quarantined_total", nil)
 		capped := f.counters(t, "kvbandit_sync_rejected_total", map[string]string{"reason": "peer_inflight"})
 		t.Logf("forged starts: %v refuted, %v quarantines, %v over the per-peer cap (3 replicas)", refuted, quarantined, capped)
-		if quarantined < 3 || refuted == 0 {
-			t.Errorf("the forged peer was not refuted and quarantined on every replica: %v refuted, %v quarantines", refuted, quarantined)
+		if quarantined != 3 || refuted == 0 {
+			t.Errorf("want the forged peer (only) refuted and quarantined on every replica: %v refuted, %v quarantines", refuted, quarantined)
 		}
 	})
 
@@ -594,6 +610,9 @@ func TestForgedPeers(t *testing.T) {
 			}
 		}
 		f.waitPeers(t, 10*time.Second, f.reps[:3], 2) // replica-1 is still everyone's peer
+		if q := f.counters(t, "kvbandit_sync_quarantined_total", nil); q != 3 {
+			t.Errorf("%v quarantines: an honest replica was quarantined (3 are the forged starts' peer's)", q)
+		}
 	})
 
 	t.Run("fake ids while a real replica joins", func(t *testing.T) {
