@@ -340,7 +340,11 @@ func TestForgetPeerWhenForgotten(t *testing.T) {
 func TestEpochFlipsIgnored(t *testing.T) {
 	srv := startNATS(t)
 	a := newNode(t, testConfig(srv, "a"), engine.Options{})
-	b := newNode(t, testConfig(srv, "b"), engine.Options{})
+	cfg := testConfig(srv, "b")
+	// A backlog behind the flood on a loaded machine must not outlast the
+	// peer TTL (that would be a silent peer, not a forged restart).
+	cfg.PeerTTL = 5 * time.Second
+	b := newNode(t, cfg, engine.Options{})
 	waitConnected(t, a, b)
 	ds := []*routing.Decision{a.pick(t, "", 1), a.pick(t, "", 2), a.pick(t, "", 3)}
 	waitFor(t, time.Second, "B applies A's decisions", func() bool { return b.remoteInFlight() == 3 })
