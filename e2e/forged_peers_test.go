@@ -510,7 +510,6 @@ func checkPhase(t *testing.T, p, base *phase, target string, busiest bool) {
 // and alternating epochs, fake ids while a real replica joins.
 func forgedLoadCases(t *testing.T) {
 	f := startForgedFleet(t, "least_loaded")
-	workers := f.addrs
 	t.Run("unauthenticated client shut out", func(t *testing.T) {
 		for name, opts := range map[string][]nats.Option{"no credentials": nil, "wrong password": {nats.UserInfo(syncNATSUser, "guess")}} {
 			nc, err := nats.Connect(f.nats.URL(), append(opts, nats.Timeout(5*time.Second), nats.NoReconnect())...)
@@ -525,133 +524,147 @@ func forgedLoadCases(t *testing.T) {
 	})
 
 	base := f.baseline(t, 0, 8*time.Second)
-	t.Run("forged starts", func(t *testing.T) {
-		// One forged peer claims 600 decisions of the largest prompt a
-		// replica accepts (--max-body-bytes, 16 MiB: 16,777,216 tokens)
-		// on every endpoint but the slowest, with a 5 min TTL, re-sent as
-		// its snapshot every second, with heartbeats.
-		r := newRogue(t, f.nats)
-		var starts []wire.Start
-		for e, ep := range workers[:3] {
-			for i := range 600 { // 1,800 in all: within the per-peer cap (2 x --max-inflight)
-				starts = append(starts, wire.Start{ID: uint64(e*1000 + i + 1), Endpoint: ep, DPRank: -1, BlockSize: 16, ISL: 16 << 20, TTL: 300000})
-			}
+	t.Run("forged starts", func(t *testing.T) { forgedStarts(t, f, base) })
+	t.Run("heartbeat flood with a real peer's id", func(t *testing.T) { epochFlood(t, f, base) })
+	t.Run("fake ids while a real replica joins", func(t *testing.T) { fakeIDsWhileJoining(t, f) })
+}
+
+// forgedStarts: one forged peer claims 600 decisions of the largest prompt
+// a replica accepts on every endpoint but the slowest (issue 22's first
+// case).
+func forgedStarts(t *testing.T, f *forgedFleet, base *phase) {
+	workers := f.addrs
+	// One forged peer claims 600 decisions of the largest prompt a
+	// replica accepts (--max-body-bytes, 16 MiB: 16,777,216 tokens)
+	// on every endpoint but the slowest, with a 5 min TTL, re-sent as
+	// its snapshot every second, with heartbeats.
+	r := newRogue(t, f.nats)
+	var starts []wire.Start
+	for e, ep := range workers[:3] {
+		for i := range 600 { // 1,800 in all: within the per-peer cap (2 x --max-inflight)
+			starts = append(starts, wire.Start{ID: uint64(e*1000 + i + 1), Endpoint: ep, DPRank: -1, BlockSize: 16, ISL: 16 << 20, TTL: 300000})
 		}
-		var reaction [3]atomic.Int64 // ms from the first forged start to the replica's quarantine
-		p := f.traffic(t, "forged starts", 10*time.Second, 2, func(ctx context.Context) {
-			t0 := time.Now()
-			go every(ctx, 100*time.Millisecond, func() {
-				for i, k := range f.reps[:3] {
-					if reaction[i].Load() != 0 {
-						continue
-					}
-					if s, err := k.scrape(ctx); err == nil && metric(s, "kvbandit_sync_quarantined_total", nil) > 0 {
-						reaction[i].Store(time.Since(t0).Milliseconds())
-					}
+	}
+	var reaction [3]atomic.Int64 // ms from the first forged start to the replica's quarantine
+	p := f.traffic(t, "forged starts", 10*time.Second, 2, func(ctx context.Context) {
+		t0 := time.Now()
+		go every(ctx, 100*time.Millisecond, func() {
+			for i, k := range f.reps[:3] {
+				if reaction[i].Load() != 0 {
+					continue
 				}
-			})
-			every(ctx, 500*time.Millisecond, func() {
-				r.heartbeat("rogue-starts", 7)
-				r.publish("rogue-starts", 7, &wire.Message{Kind: wire.KindSnapshot, Snapshot: starts})
-			})
+				if s, err := k.scrape(ctx); err == nil && metric(s, "kvbandit_sync_quarantined_total", nil) > 0 {
+					reaction[i].Store(time.Since(t0).Milliseconds())
+				}
+			}
 		})
-		t.Logf("forged starts: quarantined on the three replicas %d, %d and %d ms after its first message", reaction[0].Load(), reaction[1].Load(), reaction[2].Load())
-		early := 0
-		for _, n := range p.early {
-			early += n
-		}
-		t.Logf("forged starts: the unforged worker served %d of the %d requests sent in the first 3 s (baseline share %.0f%%)",
-			p.early[workers[3]], early, 100*base.share(workers[3]))
-		checkPhase(t, p, base, workers[3], true)
-		refuted, quarantined := f.counters(t, "kvbandit_sync_refuted_total", nil), f.counters(t, "kvbandit_sync_quarantined_total", nil)
-		capped := f.counters(t, "kvbandit_sync_rejected_total", map[string]string{"reason": "peer_inflight"})
-		t.Logf("forged starts: %v refuted, %v quarantines, %v over the per-peer cap (3 replicas)", refuted, quarantined, capped)
-		if quarantined != 3 || refuted == 0 {
-			t.Errorf("want the forged peer (only) refuted and quarantined on every replica: %v refuted, %v quarantines", refuted, quarantined)
-		}
+		every(ctx, 500*time.Millisecond, func() {
+			r.heartbeat("rogue-starts", 7)
+			r.publish("rogue-starts", 7, &wire.Message{Kind: wire.KindSnapshot, Snapshot: starts})
+		})
 	})
-	t.Run("heartbeat flood with a real peer's id", func(t *testing.T) {
-		// As fast as the client can for 10 s: replica-1's id with
-		// alternating epochs (each one was a "restart").
-		r := newRogue(t, f.nats)
-		var sent atomic.Int64
-		var flips [2][]byte
-		for e := range flips {
-			b, err := wire.Append(nil, &wire.Message{Kind: wire.KindHeartbeat, Pool: forgedPool, Replica: "replica-1", Epoch: uint64(e + 1), Seq: 1,
-				Heartbeat: wire.Heartbeat{Interval: 250}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			flips[e] = b
-		}
-		t.Logf("epoch flood: %d-byte heartbeats", len(flips[0]))
-		p := f.traffic(t, "epoch flood", 10*time.Second, 4, func(ctx context.Context) {
-			var wg sync.WaitGroup
-			for range 2 {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					for i := 0; ctx.Err() == nil; i++ {
-						if r.nc.Publish(forgedPrefix+".heartbeat", flips[i%2]) == nil {
-							sent.Add(1)
-						}
-					}
-				}()
-			}
-			wg.Wait()
-		})
-		checkPhase(t, p, base, "", true)
-		conflicts := f.counters(t, "kvbandit_sync_dropped_total", map[string]string{"reason": "epoch_conflict"})
-		slow := f.counters(t, "kvbandit_sync_dropped_total", map[string]string{"reason": "slow_consumer"})
-		t.Logf("epoch flood: %d heartbeats sent (%.0f/s); dropped as epoch_conflict %v, by NATS as slow_consumer %v (3 replicas)",
-			sent.Load(), float64(sent.Load())/p.took.Seconds(), conflicts, slow)
-		for _, k := range f.reps[:3] {
-			if strings.Count(k.out.String(), "peer replica restarted") > 0 {
-				t.Errorf("a forged epoch was taken for replica-1's restart")
-			}
-		}
-		f.waitPeers(t, 10*time.Second, f.reps[:3], 2) // replica-1 is still everyone's peer
-		if q := f.counters(t, "kvbandit_sync_quarantined_total", nil); q != 3 {
-			t.Errorf("%v quarantines: an honest replica was quarantined (3 are the forged starts' peer's)", q)
-		}
-	})
-	t.Run("fake ids while a real replica joins", func(t *testing.T) {
-		// 300 fake replica ids, one heartbeat each in turn, 250 a second,
-		// while replica-3 starts.
-		r := newRogue(t, f.nats)
-		ctx, cancel := context.WithCancel(t.Context())
-		defer cancel()
-		go every(ctx, 4*time.Millisecond, func() {
-			n := r.seq.Load()
-			r.heartbeat(fmt.Sprintf("fake-%d", n%300), 1)
-		})
-		time.Sleep(time.Second) // the fake ids fill the slots
-		joined := time.Now()
-		k := f.addReplica(t, "replica-3")
-		ready := time.Since(joined)
-		ctx2, cancel2 := context.WithTimeout(t.Context(), 5*time.Second)
-		defer cancel2()
-		err := poll(ctx2, func() (bool, string) {
-			for i, old := range f.reps[:3] {
-				ids, err := peersOf(ctx2, old)
-				if err != nil {
-					return false, err.Error()
-				}
-				if !slices.Contains(ids, "replica-3") {
-					return false, fmt.Sprintf("replica-%d hears %d peers, not replica-3", i, len(ids))
-				}
-			}
-			return true, ""
-		})
-		took := time.Since(joined) - ready
+	t.Logf("forged starts: quarantined on the three replicas %d, %d and %d ms after its first message", reaction[0].Load(), reaction[1].Load(), reaction[2].Load())
+	early := 0
+	for _, n := range p.early {
+		early += n
+	}
+	t.Logf("forged starts: the unforged worker served %d of the %d requests sent in the first 3 s (baseline share %.0f%%)",
+		p.early[workers[3]], early, 100*base.share(workers[3]))
+	checkPhase(t, p, base, workers[3], true)
+	refuted, quarantined := f.counters(t, "kvbandit_sync_refuted_total", nil), f.counters(t, "kvbandit_sync_quarantined_total", nil)
+	capped := f.counters(t, "kvbandit_sync_rejected_total", map[string]string{"reason": "peer_inflight"})
+	t.Logf("forged starts: %v refuted, %v quarantines, %v over the per-peer cap (3 replicas)", refuted, quarantined, capped)
+	if quarantined != 3 || refuted == 0 {
+		t.Errorf("want the forged peer (only) refuted and quarantined on every replica: %v refuted, %v quarantines", refuted, quarantined)
+	}
+}
+
+// epochFlood: heartbeats with a real replica's id and alternating epochs,
+// as fast as the client can (issue 22's third case).
+func epochFlood(t *testing.T, f *forgedFleet, base *phase) {
+	// As fast as the client can for 10 s: replica-1's id with
+	// alternating epochs (each one was a "restart").
+	r := newRogue(t, f.nats)
+	var sent atomic.Int64
+	var flips [2][]byte
+	for e := range flips {
+		b, err := wire.Append(nil, &wire.Message{Kind: wire.KindHeartbeat, Pool: forgedPool, Replica: "replica-1", Epoch: uint64(e + 1), Seq: 1,
+			Heartbeat: wire.Heartbeat{Interval: 250}})
 		if err != nil {
-			t.Errorf("replica-3 not admitted by every replica within 5 s of its start: %v", err)
+			t.Fatal(err)
 		}
-		t.Logf("fake ids: replica-3 ready %v after its start, admitted by all three replicas %v later", ready.Round(10*time.Millisecond), took.Round(10*time.Millisecond))
-		cancel()
-		k.terminate(t)
-		k.waitExit(t, 30*time.Second)
+		flips[e] = b
+	}
+	t.Logf("epoch flood: %d-byte heartbeats", len(flips[0]))
+	p := f.traffic(t, "epoch flood", 10*time.Second, 4, func(ctx context.Context) {
+		var wg sync.WaitGroup
+		for range 2 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; ctx.Err() == nil; i++ {
+					if r.nc.Publish(forgedPrefix+".heartbeat", flips[i%2]) == nil {
+						sent.Add(1)
+					}
+				}
+			}()
+		}
+		wg.Wait()
 	})
+	checkPhase(t, p, base, "", true)
+	conflicts := f.counters(t, "kvbandit_sync_dropped_total", map[string]string{"reason": "epoch_conflict"})
+	slow := f.counters(t, "kvbandit_sync_dropped_total", map[string]string{"reason": "slow_consumer"})
+	t.Logf("epoch flood: %d heartbeats sent (%.0f/s); dropped as epoch_conflict %v, by NATS as slow_consumer %v (3 replicas)",
+		sent.Load(), float64(sent.Load())/p.took.Seconds(), conflicts, slow)
+	for _, k := range f.reps[:3] {
+		if strings.Count(k.out.String(), "peer replica restarted") > 0 {
+			t.Errorf("a forged epoch was taken for replica-1's restart")
+		}
+	}
+	f.waitPeers(t, 10*time.Second, f.reps[:3], 2) // replica-1 is still everyone's peer
+	if q := f.counters(t, "kvbandit_sync_quarantined_total", nil); q != 3 {
+		t.Errorf("%v quarantines: an honest replica was quarantined (3 are the forged starts' peer's)", q)
+	}
+}
+
+// fakeIDsWhileJoining: 300 fake ids at 250 messages a second while a real
+// replica joins (issue 22's fourth case).
+func fakeIDsWhileJoining(t *testing.T, f *forgedFleet) {
+	// 300 fake replica ids, one heartbeat each in turn, 250 a second,
+	// while replica-3 starts.
+	r := newRogue(t, f.nats)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	go every(ctx, 4*time.Millisecond, func() {
+		n := r.seq.Load()
+		r.heartbeat(fmt.Sprintf("fake-%d", n%300), 1)
+	})
+	time.Sleep(time.Second) // the fake ids fill the slots
+	joined := time.Now()
+	k := f.addReplica(t, "replica-3")
+	ready := time.Since(joined)
+	ctx2, cancel2 := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel2()
+	err := poll(ctx2, func() (bool, string) {
+		for i, old := range f.reps[:3] {
+			ids, err := peersOf(ctx2, old)
+			if err != nil {
+				return false, err.Error()
+			}
+			if !slices.Contains(ids, "replica-3") {
+				return false, fmt.Sprintf("replica-%d hears %d peers, not replica-3", i, len(ids))
+			}
+		}
+		return true, ""
+	})
+	took := time.Since(joined) - ready
+	if err != nil {
+		t.Errorf("replica-3 not admitted by every replica within 5 s of its start: %v", err)
+	}
+	t.Logf("fake ids: replica-3 ready %v after its start, admitted by all three replicas %v later", ready.Round(10*time.Millisecond), took.Round(10*time.Millisecond))
+	cancel()
+	k.terminate(t)
+	k.waitExit(t, 30*time.Second)
 }
 
 // forgedLearningCases: forged outcomes, against the kvbandit policy's
