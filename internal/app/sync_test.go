@@ -195,10 +195,14 @@ func TestServeSyncNeedsCredentials(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	connected(func(o *ServeOptions) { o.SyncNATS, o.ReplicaID, o.SyncAllowAnonymous, o.DrainTimeout = anon.URL(), "anon", true, time.Second })
+	connected(func(o *ServeOptions) {
+		o.SyncNATS, o.ReplicaID, o.SyncAllowAnonymous, o.DrainTimeout = anon.URL(), "anon", true, time.Second
+	})
 	nk := natsenv.Start(t, natsenv.Options{Nkey: true})
 	cfg := syncCredsConfig(t, nk)
-	connected(func(o *ServeOptions) { o.SyncNATS, o.ReplicaID, o.ConfigPath, o.DrainTimeout = nk.URL(), "nkey", cfg, time.Second })
+	connected(func(o *ServeOptions) {
+		o.SyncNATS, o.ReplicaID, o.ConfigPath, o.DrainTimeout = nk.URL(), "nkey", cfg, time.Second
+	})
 }
 
 // TestSyncConfig: the sync section decodes strictly and is validated.
