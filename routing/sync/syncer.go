@@ -160,7 +160,9 @@ type Deps struct {
 	Logger   *slog.Logger          // nil: slog.Default()
 	Registry prometheus.Registerer // nil: a private registry
 	// Clock measures peers' ages and decisions' TTLs; the periodic work
-	// (batching, heartbeats, snapshots, sweeps) runs on real tickers.
+	// (batching, heartbeats, snapshots, sweeps) runs on real tickers. It
+	// must be the engine's clock: the claim checks compare it with the
+	// times the engine's scraped loads were reported.
 	Clock clock.Clock
 	// Rand picks the epoch; nil: crypto/rand.
 	Rand func() uint64
