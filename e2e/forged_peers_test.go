@@ -639,7 +639,16 @@ func fakeIDsWhileJoining(t *testing.T, f *forgedFleet) {
 		n := r.seq.Load()
 		r.heartbeat(fmt.Sprintf("fake-%d", n%300), 1)
 	})
-	time.Sleep(time.Second) // the fake ids fill the slots
+	// The fake ids fill the 256 peer slots (each is heard every 1.2 s and
+	// forgotten after the 1.5 s peer TTL: about 375 are live at once).
+	ctx1, cancel1 := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel1()
+	if err := poll(ctx1, func() (bool, string) {
+		ids, err := peersOf(ctx1, f.reps[0])
+		return err == nil && len(ids) >= 256, fmt.Sprintf("replica-0 hears %d peers", len(ids))
+	}); err != nil {
+		t.Fatalf("the fake ids did not fill the peer slots: %v", err)
+	}
 	joined := time.Now()
 	k := f.addReplica(t, "replica-3")
 	ready := time.Since(joined)
@@ -661,7 +670,7 @@ func fakeIDsWhileJoining(t *testing.T, f *forgedFleet) {
 	if err != nil {
 		t.Errorf("replica-3 not admitted by every replica within 5 s of its start: %v", err)
 	}
-	t.Logf("fake ids: replica-3 ready %v after its start, admitted by all three replicas %v later", ready.Round(10*time.Millisecond), took.Round(10*time.Millisecond))
+	t.Logf("fake ids: with the 256 peer slots full of fake ids, replica-3 ready %v after its start, admitted by all three replicas %v later", ready.Round(10*time.Millisecond), took.Round(10*time.Millisecond))
 	cancel()
 	k.terminate(t)
 	k.waitExit(t, 30*time.Second)
