@@ -27,7 +27,6 @@ import (
 	"github.com/kvbandit/kvbandit/e2e/extprocload"
 	"github.com/kvbandit/kvbandit/internal/testenv"
 	"github.com/kvbandit/kvbandit/internal/testenv/kubeenv"
-	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 	"github.com/kvbandit/kvbandit/tokenizer/tokenizertest"
 )
 
@@ -107,16 +106,17 @@ func startLiveKvbandit(t *testing.T, hosts []string, admin string, pprof bool, e
 }
 
 // startLiveKvbanditSynced runs n kvbandit replicas synced over a real
-// nats-server (anonymous, loopback), and waits until each hears the
-// others. The nats-server's CPU counts as the picker's.
+// nats-server (user and password, loopback), and waits until each hears
+// the others. The nats-server's CPU counts as the picker's.
 func startLiveKvbanditSynced(t *testing.T, hosts []string, n int) livePicker {
 	t.Helper()
-	ns := natsenv.Start(t, natsenv.Options{})
+	ns := startSyncNATS(t)
+	creds := syncConfigFile(t, "")
 	p := livePicker{pids: []int{ns.PID()}}
 	var reps []*kvb
 	for i := range n {
 		admin := freeAddr(t)
-		p.join(startLiveKvbandit(t, hosts, admin, false, "--sync-nats", ns.URL(), "--replica-id", fmt.Sprintf("live-%d", i)))
+		p.join(startLiveKvbandit(t, hosts, admin, false, "--sync-nats", ns.URL(), "--replica-id", fmt.Sprintf("live-%d", i), "--config", creds))
 		reps = append(reps, &kvb{metricsAddr: admin})
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)

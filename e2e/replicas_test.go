@@ -49,12 +49,12 @@ type replicaFleet struct {
 
 func startReplicaFleet(t *testing.T, policy string) *replicaFleet {
 	t.Helper()
-	f := &replicaFleet{nats: natsenv.Start(t, natsenv.Options{}), c: httpClient(t), rng: rand.New(rand.NewPCG(12, 1))}
+	f := &replicaFleet{nats: startSyncNATS(t), c: httpClient(t), rng: rand.New(rand.NewPCG(12, 1))}
 	// 20 ms per token: a 50-token request is in flight for a second.
 	f.ws, f.addrs = startWorkers(t, 4, worker.Config{TokenDelay: 20 * time.Millisecond})
 	cfg := filepath.Join(t.TempDir(), "kvbandit.yaml")
-	yaml := fmt.Sprintf("sync:\n  peer_ttl_ms: %d\n  heartbeat_interval_ms: %d\n  snapshot_interval_ms: %d\n",
-		replicasPeerTTL.Milliseconds(), replicasHeartbeat.Milliseconds(), replicasSnapshot.Milliseconds())
+	yaml := fmt.Sprintf("sync:\n%s  peer_ttl_ms: %d\n  heartbeat_interval_ms: %d\n  snapshot_interval_ms: %d\n",
+		syncNATSYAML(), replicasPeerTTL.Milliseconds(), replicasHeartbeat.Milliseconds(), replicasSnapshot.Milliseconds())
 	if err := os.WriteFile(cfg, []byte(yaml), 0o600); err != nil {
 		t.Fatal(err)
 	}

@@ -21,7 +21,6 @@ import (
 
 	"github.com/kvbandit/kvbandit/e2e/extprocload"
 	"github.com/kvbandit/kvbandit/e2e/worker"
-	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 )
 
 const envSyncFastBin = "KVBANDIT_E2E_SYNC_FAST_BIN"
@@ -116,10 +115,11 @@ func TestBenchSyncCPU(t *testing.T) {
 		fmt.Sscan(v, &secs)
 	}
 	_, addrs := startWorkers(t, 4, worker.Config{})
-	nats := natsenv.Start(t, natsenv.Options{})
+	nats := startSyncNATS(t)
+	creds := syncConfigFile(t, "")
 	off := startFastPicker(t, addrs)
-	on := startFastPicker(t, addrs, "--sync-nats", nats.URL(), "--replica-id", "bench-on")
-	startFastPicker(t, addrs, "--sync-nats", nats.URL(), "--replica-id", "bench-peer")
+	on := startFastPicker(t, addrs, "--sync-nats", nats.URL(), "--replica-id", "bench-on", "--config", creds)
+	startFastPicker(t, addrs, "--sync-nats", nats.URL(), "--replica-id", "bench-peer", "--config", creds)
 	bodies := extprocload.ChatBodies(2000, 4096, "test-model")
 
 	run := func(p *fastPicker) (cpuPerReq time.Duration, res *extprocload.Result) {

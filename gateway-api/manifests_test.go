@@ -8,6 +8,7 @@ package gatewayapi_test
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -93,6 +94,8 @@ func TestManifestsAndChart(t *testing.T) {
 		run(t, helm, "lint", "--strict", chartDir, "--set", "replicas=2,tls.secretName=kvb-tls,tls.clientCASecretName=kvb-ca")
 		run(t, helm, "lint", "--strict", chartDir, "--set", "pool.standalone=true,tls.selfSigned=true")
 		run(t, helm, "lint", "--strict", chartDir, "--set", "replicas=3,sync.nats.servers={nats://nats:4222},sync.nats.auth=token,sync.nats.existingSecret=kvb-nats")
+		run(t, helm, "lint", "--strict", chartDir, "--set", "replicas=3,sync.nats.servers={nats://nats:4222}")
+		run(t, helm, "lint", "--strict", chartDir, "--set", "replicas=3,sync.nats.servers={nats://nats:4222},sync.nats.auth=none")
 	})
 
 	cases := []struct {
@@ -185,6 +188,48 @@ func TestManifestsAndChart(t *testing.T) {
 					t.Errorf("config sync section: %+v", cfg.Sync)
 				}
 			}},
+		{name: "sync generated credentials", leader: false,
+			set: []string{"replicas=3", "sync.nats.servers={nats://nats.nats:4222}"},
+			check: func(t *testing.T, args []string, objs []object) {
+				sec := find(objs, "Secret", release+"-kvbandit-nats-auth")
+				if sec == nil {
+					t.Fatal("no generated NATS Secret")
+				}
+				user, pw := secretValue(t, sec, "user"), secretValue(t, sec, "password")
+				if user != "kvbandit" || len(pw) != 32 {
+					t.Errorf("generated Secret: user %q, a password of %d characters; want kvbandit and 32", user, len(pw))
+				}
+				d := find(objs, "Deployment", "")
+				c := fmt.Sprint(d.get("spec", "template", "spec", "containers"))
+				for _, want := range []string{"name:KVBANDIT_SYNC_NATS_USER valueFrom:map[secretKeyRef:map[key:user name:" + release + "-kvbandit-nats-auth]]",
+					"name:KVBANDIT_SYNC_NATS_PASSWORD valueFrom:map[secretKeyRef:map[key:password name:" + release + "-kvbandit-nats-auth]]"} {
+					if !strings.Contains(c, want) {
+						t.Errorf("container lacks %s: %s", want, c)
+					}
+				}
+				if hasFlag(args, "--sync-allow-anonymous") || configOf(t, objs).Sync.AllowAnonymous {
+					t.Error("generated credentials render allows anonymous sync")
+				}
+				// Two renders without a cluster: two passwords (lookup finds
+				// nothing); with the Secret in the cluster: its password.
+				other := find(decode(t, "helm template", template(t, helm, "replicas=3", "sync.nats.servers={nats://nats.nats:4222}")), "Secret", release+"-kvbandit-nats-auth")
+				if secretValue(t, other, "password") == pw {
+					t.Error("two renders generated the same password")
+				}
+			}},
+		{name: "sync anonymous", leader: false,
+			set: []string{"replicas=2", "sync.nats.servers={nats://nats.nats:4222}", "sync.nats.auth=none"},
+			check: func(t *testing.T, args []string, objs []object) {
+				if !slices.Contains(args, "--sync-allow-anonymous") || !configOf(t, objs).Sync.AllowAnonymous {
+					t.Errorf("auth none: args %q lack --sync-allow-anonymous, or the config lacks allow_anonymous", args)
+				}
+				if find(objs, "Secret", "") != nil {
+					t.Error("auth none renders a Secret")
+				}
+				if c := fmt.Sprint(find(objs, "Deployment", "").get("spec", "template", "spec", "containers")); strings.Contains(c, "KVBANDIT_SYNC_NATS_") {
+					t.Errorf("auth none sets NATS credentials: %s", c)
+				}
+			}},
 		{name: "sync creds active-passive", leader: true,
 			set: []string{"replicas=2", "leaderElection.enabled=true", "sync.nats.servers={tls://nats.nats:4222}", "sync.nats.auth=creds",
 				"sync.nats.existingSecret=kvb-nats-creds", "sync.nats.tls.secretName=kvb-nats-ca"},
@@ -230,6 +275,25 @@ func TestManifestsAndChart(t *testing.T) {
 		})
 	}
 
+	t.Run("generated NATS password kept across upgrades", func(t *testing.T) {
+		// An upgrade renders against the cluster: the Secret a previous
+		// install made is looked up and its password kept.
+		kc := c.Kubeconfig(t, "admin")
+		sec := []byte(`{"apiVersion":"v1","kind":"Secret","metadata":{"name":"` + release + `-kvbandit-nats-auth","namespace":"` + testNS +
+			`"},"type":"Opaque","stringData":{"user":"kvbandit","password":"the-password-of-the-first-install"}}`)
+		if err := c.Apply(context.Background(), sec, false); err != nil {
+			t.Fatal(err)
+		}
+		for range 2 {
+			out := run(t, helm, "template", release, chartDir, "-n", testNS, "--dry-run=server", "--kubeconfig", kc,
+				"--set", "replicas=3", "--set", "sync.nats.servers={nats://nats.nats:4222}")
+			got := find(decode(t, "helm template --dry-run=server", out), "Secret", release+"-kvbandit-nats-auth")
+			if got == nil || secretValue(t, got, "password") != "the-password-of-the-first-install" {
+				t.Fatalf("upgrade render: the existing password was not kept: %v", got)
+			}
+		}
+	})
+
 	t.Run("helm template image", func(t *testing.T) {
 		objs := decode(t, "helm template", template(t, helm, "image.repository=registry.example/kvbandit", "image.tag=0.2.0-rc.1"))
 		checkImage(t, find(objs, "Deployment", ""), "registry.example/kvbandit:0.2.0-rc.1")
@@ -254,6 +318,8 @@ func TestManifestsAndChart(t *testing.T) {
 			{"sync.nats.servers={nats://n:4222}", "sync.nats.auth=token"},
 			{"sync.nats.servers={nats://n:4222}", "sync.nats.existingSecret=s"},
 			{"sync.nats.servers={nats://n:4222}", "sync.nats.tls.mtls=true"},
+			{"sync.nats.servers={nats://n:4222}", "sync.nats.auth=none", "sync.nats.existingSecret=s"},
+			{"sync.nats.servers={nats://n:4222}", "sync.nats.generatedUser=two words"},
 		} {
 			args := []string{"template", release, chartDir, "-n", testNS}
 			for _, s := range set {
@@ -265,6 +331,17 @@ func TestManifestsAndChart(t *testing.T) {
 			}
 		}
 	})
+}
+
+// secretValue decodes one key of a rendered Secret's data.
+func secretValue(t *testing.T, o *object, key string) string {
+	t.Helper()
+	v, _ := o.get("data", key).(string)
+	b, err := base64.StdEncoding.DecodeString(v)
+	if err != nil {
+		t.Fatalf("Secret %s: data.%s: %v", o.name(), key, err)
+	}
+	return string(b)
 }
 
 // installGatewayAPICRDs applies the standard HTTPRoute (and Gateway) CRDs from

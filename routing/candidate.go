@@ -19,6 +19,9 @@ type Load struct {
 	// Stale is set when the last good scrape is too old; stale load counts
 	// as saturated unless every endpoint is stale.
 	Stale bool
+	// KVBlocks is the worker's KV cache size in blocks of its block size
+	// (vllm:cache_config_info num_gpu_blocks, per engine); 0: unknown.
+	KVBlocks int
 }
 
 // Candidate is one (endpoint, data-parallel rank) that a policy may choose,

@@ -81,6 +81,16 @@ type SyncConfig struct {
 	// TurnStepMs is the wait between two replicas' turns (0: the sync
 	// delay, batch_interval_ms + 1 ms, plus an eighth).
 	TurnStepMs float64 `json:"turn_step_ms,omitempty"`
+	// AllowAnonymous connects without credentials (--sync-allow-anonymous):
+	// without it, sync needs nats.user/password, token, nkey_file,
+	// creds_file or an mTLS client certificate.
+	AllowAnonymous bool `json:"allow_anonymous,omitempty"`
+	// MaxPeerInFlight and MaxPeerPrefillTokens bound what one peer may
+	// claim at once: open decisions and prompt tokens not prefilled yet
+	// (0: what one replica could hold, 2 x --max-inflight decisions of
+	// --max-body-bytes tokens each).
+	MaxPeerInFlight      int   `json:"max_peer_inflight,omitempty"`
+	MaxPeerPrefillTokens int64 `json:"max_peer_prefill_tokens,omitempty"`
 }
 
 // turns reports whether sync.turns is on (the default).
@@ -89,11 +99,13 @@ func (c *SyncConfig) turns() bool { return c.Turns == nil || *c.Turns }
 // SyncNATSConfig is the NATS connection of routing/sync.
 type SyncNATSConfig struct {
 	Servers []string `json:"servers,omitempty"`
-	// CredsFile, User/Password and Token are exclusive.
+	// CredsFile, User/Password, Token and NkeyFile (an nkey seed) are
+	// exclusive.
 	CredsFile string        `json:"creds_file,omitempty"`
 	User      string        `json:"user,omitempty"`
 	Password  string        `json:"password,omitempty"`
 	Token     string        `json:"token,omitempty"`
+	NkeyFile  string        `json:"nkey_file,omitempty"`
 	TLS       SyncTLSConfig `json:"tls"`
 	// SubjectPrefix defaults to kvbandit.<pool>.
 	SubjectPrefix string `json:"subject_prefix,omitempty"`
@@ -115,17 +127,19 @@ func (c *SyncConfig) validate() error {
 		return fmt.Errorf("sync: batch_interval_ms, snapshot_interval_ms, heartbeat_interval_ms and peer_ttl_ms must be >= 0")
 	case math.IsNaN(c.TurnStepMs) || c.TurnStepMs < 0 || c.TurnStepMs > 1000:
 		return fmt.Errorf("sync.turn_step_ms: %v out of range (0 to 1000)", c.TurnStepMs)
+	case c.MaxPeerInFlight < 0 || c.MaxPeerPrefillTokens < 0:
+		return fmt.Errorf("sync: max_peer_inflight and max_peer_prefill_tokens must be >= 0 (0: the default)")
 	case (c.NATS.TLS.Cert == "") != (c.NATS.TLS.Key == ""):
 		return fmt.Errorf("sync.nats.tls: cert and key go together")
 	}
 	n := 0
-	for _, set := range []bool{c.NATS.CredsFile != "", c.NATS.User != "" || c.NATS.Password != "", c.NATS.Token != ""} {
+	for _, set := range []bool{c.NATS.CredsFile != "", c.NATS.User != "" || c.NATS.Password != "", c.NATS.Token != "", c.NATS.NkeyFile != ""} {
 		if set {
 			n++
 		}
 	}
 	if n > 1 {
-		return fmt.Errorf("sync.nats: creds_file, user/password and token are exclusive")
+		return fmt.Errorf("sync.nats: creds_file, user/password, token and nkey_file are exclusive")
 	}
 	return nil
 }

@@ -80,6 +80,9 @@ func checkConfig(o ServeOptions, stdout, stderr io.Writer, needWorkers bool) err
 	if err := o.applyFlags(&cfg); err != nil {
 		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}
+	if err := checkSyncCredentials(o, &cfg); err != nil {
+		return err
+	}
 	var notes []string
 	if !slices.Contains(policy.Builtin().Names(), o.Policy) {
 		return fmt.Errorf("%w: --policy %q: want one of %s", ErrUsage, o.Policy, strings.Join(policy.Builtin().Names(), ", "))

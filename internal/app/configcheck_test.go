@@ -115,6 +115,8 @@ func TestConfigCheck(t *testing.T) {
 		{"tokenizer garbage", []string{writeFile(t, "m.yaml", "models:\n  m:\n    tokenizer: "+writeFile(t, "tokenizer.json", "{not json")+"\n")}, 1, `models["m"].tokenizer`},
 		{"unknown policy", []string{good, "--policy", "nope"}, 2, "--policy"},
 		{"no file", nil, 2, "usage: kvbandit config check FILE"},
+		{"sync without credentials", []string{writeFile(t, "s.yaml", "sync:\n  nats:\n    servers: [nats://10.0.0.1:4222]\n")}, 2, "--sync-allow-anonymous"},
+		{"--sync-nats without credentials", []string{writeFile(t, "s2.yaml", "router: {block_size: 16}\n"), "--sync-nats", "nats://10.0.0.1:4222"}, 2, "needs NATS credentials"},
 	}
 	for _, c := range bad {
 		t.Run(c.name, func(t *testing.T) {

@@ -87,6 +87,9 @@ type ServeOptions struct {
 	// random suffix).
 	SyncNATS  string
 	ReplicaID string
+	// SyncAllowAnonymous lets --sync-nats connect without credentials
+	// (config sync.allow_anonymous).
+	SyncAllowAnonymous bool
 	// DryRun (--dry-run) runs `kvbandit config check` on these options
 	// and exits instead of serving.
 	DryRun bool
@@ -145,6 +148,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file for the Kubernetes API server (discovery, --leader-elect); empty: in-cluster service account, else $KUBECONFIG or ~/.kube/config")
 	o.LeaderElect.AddFlags(fs)
 	fs.StringVar(&o.SyncNATS, "sync-nats", "", "active-active replicas: NATS URL[,URL...] shared by the replicas of the pool (in-flight decisions, outcomes); auth, TLS and intervals in the config's sync section; off when empty")
+	fs.BoolVar(&o.SyncAllowAnonymous, "sync-allow-anonymous", false, "let --sync-nats connect without credentials (warned at start-up): any client the NATS server lets in can then act as a peer replica (as sync.allow_anonymous)")
 	fs.BoolVar(&o.DryRun, "dry-run", false, "load and validate the config and flags, resolve tokenizers and discovery settings (nothing contacted), print the effective config, and exit (as kvbandit config check does)")
 	fs.StringVar(&o.ReplicaID, "replica-id", "", "this replica's id among the --sync-nats peers, unique in the pool (default: hostname-<6 random hex>)")
 }
@@ -276,6 +280,9 @@ func (o *ServeOptions) applyFlags(c *FileConfig) error {
 	}
 	if v, ok := o.set["decision-log"]; ok {
 		c.DecisionLog.Path = v
+	}
+	if o.SyncAllowAnonymous {
+		c.Sync.AllowAnonymous = true
 	}
 	if v, ok := o.set["decision-log-format"]; ok {
 		c.DecisionLog.Format = v

@@ -4,7 +4,9 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -37,12 +39,15 @@ func getJSON(t *testing.T, c *http.Client, url string, v any) {
 // nats-server list each other in /debug/replicas, and a request streaming
 // through A shows on B's /debug/endpoints as remote_inflight, then goes.
 func TestServeSyncReplicas(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := natsenv.Start(t, natsenv.Options{Token: "sync-test-token"})
+	creds := syncCredsConfig(t, srv)
 	w := startWorker(t, worker.Config{TokenDelay: 20 * time.Millisecond})
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
 	replica := func(id string) func(*ServeOptions) {
-		return func(o *ServeOptions) { o.SyncNATS, o.ReplicaID, o.DrainTimeout = srv.URL(), id, 2*time.Second }
+		return func(o *ServeOptions) {
+			o.SyncNATS, o.ReplicaID, o.DrainTimeout, o.ConfigPath = srv.URL(), id, 2*time.Second, creds
+		}
 	}
 	a := startServe(t, ctx, w, replica("replica-a"))
 	b := startServe(t, ctx, w, replica("replica-b"))
@@ -125,6 +130,81 @@ func TestServeSyncReplicas(t *testing.T) {
 	}
 }
 
+// syncCredsConfig writes a config file with srv's credentials in the
+// sync section (sync refuses to connect without credentials).
+func syncCredsConfig(t *testing.T, srv *natsenv.Server) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "sync.yaml")
+	if err := os.WriteFile(p, []byte(syncCredsYAML(srv)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// syncCredsYAML is the sync section with srv's credentials.
+func syncCredsYAML(srv *natsenv.Server) string {
+	o := srv.Options()
+	switch {
+	case o.User != "":
+		return fmt.Sprintf("sync:\n  nats:\n    user: %q\n    password: %q\n", o.User, o.Password)
+	case o.Token != "":
+		return fmt.Sprintf("sync:\n  nats:\n    token: %q\n", o.Token)
+	case o.Nkey:
+		return fmt.Sprintf("sync:\n  nats:\n    nkey_file: %q\n", srv.NkeySeedFile())
+	}
+	return "sync:\n  allow_anonymous: true\n"
+}
+
+// TestServeSyncNeedsCredentials: --sync-nats without credentials is a
+// usage error that names the fix; --sync-allow-anonymous connects to a
+// server that lets anyone in; a config with an nkey seed file connects
+// to a server that requires that nkey.
+func TestServeSyncNeedsCredentials(t *testing.T) {
+	anon := natsenv.Start(t, natsenv.Options{})
+	w := startWorker(t, worker.Config{})
+	o := ServeOptions{Endpoints: w.Addr(), Policy: "kv", MaxBodyBytes: 1 << 20, MaxInflight: 8, DecisionTimeout: time.Second,
+		LogLevel: "info", LogFormat: "text", SyncNATS: anon.URL(), ReplicaID: "r"}
+	err := Serve(t.Context(), o, slog.New(slog.DiscardHandler), &Listeners{})
+	if !errors.Is(err, ErrUsage) || !strings.Contains(err.Error(), "needs NATS credentials") || !strings.Contains(err.Error(), "--sync-allow-anonymous") {
+		t.Fatalf("serve --sync-nats without credentials: %v, want a usage error naming the fix", err)
+	}
+	connected := func(edit func(*ServeOptions)) {
+		t.Helper()
+		ctx, cancel := context.WithCancel(t.Context())
+		defer cancel()
+		a := startServe(t, ctx, w, edit)
+		tr := &http.Transport{}
+		defer tr.CloseIdleConnections()
+		c := &http.Client{Transport: tr}
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			var st struct {
+				Connected bool `json:"connected"`
+			}
+			getJSON(t, c, a.metrics+"/debug/replicas", &st)
+			if st.Connected {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("not connected within 10 s")
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		cancel()
+		if err := <-a.done; err != nil && !errors.Is(err, context.Canceled) {
+			t.Fatal(err)
+		}
+	}
+	connected(func(o *ServeOptions) {
+		o.SyncNATS, o.ReplicaID, o.SyncAllowAnonymous, o.DrainTimeout = anon.URL(), "anon", true, time.Second
+	})
+	nk := natsenv.Start(t, natsenv.Options{Nkey: true})
+	cfg := syncCredsConfig(t, nk)
+	connected(func(o *ServeOptions) {
+		o.SyncNATS, o.ReplicaID, o.ConfigPath, o.DrainTimeout = nk.URL(), "nkey", cfg, time.Second
+	})
+}
+
 // TestSyncConfig: the sync section decodes strictly and is validated.
 func TestSyncConfig(t *testing.T) {
 	c, err := ParseConfig([]byte(`
@@ -138,15 +218,21 @@ sync:
   batch_interval_ms: 5
   snapshot_interval_ms: 2000
   peer_ttl_ms: 6000
+  allow_anonymous: true
+  max_peer_inflight: 100
+  max_peer_prefill_tokens: 1000000
 `))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Sync.NATS.Servers[0] != "nats://10.0.0.1:4222" || c.Sync.NATS.TLS.ServerName != "nats.internal" || c.Sync.PeerTTLMs != 6000 {
+	if c.Sync.NATS.Servers[0] != "nats://10.0.0.1:4222" || c.Sync.NATS.TLS.ServerName != "nats.internal" || c.Sync.PeerTTLMs != 6000 ||
+		!c.Sync.AllowAnonymous || c.Sync.MaxPeerInFlight != 100 || c.Sync.MaxPeerPrefillTokens != 1000000 {
 		t.Fatalf("decoded %+v", c.Sync)
 	}
 	for _, bad := range []string{
 		"sync: {nats: {user: a, token: b}}",
+		"sync: {nats: {token: a, nkey_file: b}}",
+		"sync: {max_peer_inflight: -1}",
 		"sync: {peer_ttl_ms: -1}",
 		"sync: {nats: {tls: {cert: x}}}",
 		"sync: {nats: {nope: 1}}",
@@ -175,12 +261,12 @@ func freeAddr(t *testing.T) string {
 // another port for it: one host). A's other bound endpoint is unknown to
 // B: counted, not applied.
 func TestServeSyncRepublishesBoundKVEvents(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := natsenv.Start(t, natsenv.Options{User: "kvb", Password: "kv-events"})
 	dir := t.TempDir()
 	aAddr, aOther, bAddr := freeAddr(t), freeAddr(t), freeAddr(t)
 	cfgA, cfgB := filepath.Join(dir, "a.yaml"), filepath.Join(dir, "b.yaml")
-	os.WriteFile(cfgA, []byte(fmt.Sprintf("router: {kv_events: true}\nendpoints:\n- address: 127.0.0.1:8001\n  kv_events: tcp://%s\n  kv_events_bind: true\n- address: 127.0.0.1:8002\n  kv_events: tcp://%s\n  kv_events_bind: true\n", aAddr, aOther)), 0o644)
-	os.WriteFile(cfgB, []byte(fmt.Sprintf("router: {kv_events: true}\nendpoints:\n- address: 127.0.0.1:8001\n  kv_events: tcp://%s\n  kv_events_bind: true\n", bAddr)), 0o644)
+	os.WriteFile(cfgA, []byte(syncCredsYAML(srv)+fmt.Sprintf("router: {kv_events: true}\nendpoints:\n- address: 127.0.0.1:8001\n  kv_events: tcp://%s\n  kv_events_bind: true\n- address: 127.0.0.1:8002\n  kv_events: tcp://%s\n  kv_events_bind: true\n", aAddr, aOther)), 0o644)
+	os.WriteFile(cfgB, []byte(syncCredsYAML(srv)+fmt.Sprintf("router: {kv_events: true}\nendpoints:\n- address: 127.0.0.1:8001\n  kv_events: tcp://%s\n  kv_events_bind: true\n", bAddr)), 0o644)
 	replica := func(id string) func(*ServeOptions) {
 		return func(o *ServeOptions) { o.SyncNATS, o.ReplicaID = srv.URL(), id }
 	}

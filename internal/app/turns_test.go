@@ -19,7 +19,8 @@ import (
 // replicas after the first wait for their turn while the first never
 // does (routing/burst, sync.turns).
 func TestServeSyncTurns(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := natsenv.Start(t, natsenv.Options{User: "kvb", Password: "turns"})
+	creds := syncCredsConfig(t, srv)
 	w := startWorker(t, worker.Config{})
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
@@ -27,7 +28,7 @@ func TestServeSyncTurns(t *testing.T) {
 	var reps []serveAddrs
 	for _, id := range ids {
 		reps = append(reps, startServe(t, ctx, w, func(o *ServeOptions) {
-			o.SyncNATS, o.ReplicaID, o.DrainTimeout, o.DecisionTimeout = srv.URL(), id, 2*time.Second, 5*time.Second
+			o.SyncNATS, o.ReplicaID, o.DrainTimeout, o.DecisionTimeout, o.ConfigPath = srv.URL(), id, 2*time.Second, 5*time.Second, creds
 		}))
 	}
 	tr := &http.Transport{MaxIdleConnsPerHost: 16}

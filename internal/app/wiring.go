@@ -1,6 +1,7 @@
 package app
 
 import (
+	"cmp"
 	"context"
 	crand "crypto/rand"
 	"fmt"
@@ -322,29 +323,25 @@ func newSyncer(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus
 		replica = fmt.Sprintf("%.120s-%x", host, b)
 	}
 	ms := func(n int) time.Duration { return time.Duration(n) * time.Millisecond }
-	n := sc.NATS
-	// Credentials may come from the environment (a Kubernetes Secret, as
-	// the Helm chart passes them) rather than the config file.
-	for _, e := range []struct {
-		v   *string
-		env string
-	}{{&n.User, "KVBANDIT_SYNC_NATS_USER"}, {&n.Password, "KVBANDIT_SYNC_NATS_PASSWORD"}, {&n.Token, "KVBANDIT_SYNC_NATS_TOKEN"}} {
-		if *e.v == "" {
-			*e.v = os.Getenv(e.env)
-		}
-	}
+	n := syncCredentialsFromEnv(sc.NATS)
 	sy, err := rsync.New(rsync.Config{
 		Servers: servers, Pool: pool, Replica: replica, SubjectPrefix: n.SubjectPrefix,
-		CredsFile: n.CredsFile, User: n.User, Password: n.Password, Token: n.Token,
-		TLS:           rsync.TLSConfig{CA: n.TLS.CA, Cert: n.TLS.Cert, Key: n.TLS.Key, ServerName: n.TLS.ServerName, InsecureSkipVerify: n.TLS.InsecureSkipVerify},
-		BatchInterval: ms(sc.BatchIntervalMs), SnapshotInterval: ms(sc.SnapshotIntervalMs),
+		CredsFile: n.CredsFile, User: n.User, Password: n.Password, Token: n.Token, NkeyFile: n.NkeyFile,
+		AllowAnonymous: sc.AllowAnonymous,
+		TLS:            rsync.TLSConfig{CA: n.TLS.CA, Cert: n.TLS.Cert, Key: n.TLS.Key, ServerName: n.TLS.ServerName, InsecureSkipVerify: n.TLS.InsecureSkipVerify},
+		BatchInterval:  ms(sc.BatchIntervalMs), SnapshotInterval: ms(sc.SnapshotIntervalMs),
 		HeartbeatInterval: ms(sc.HeartbeatIntervalMs), PeerTTL: ms(sc.PeerTTLMs),
 		// A peer claims no more prompt tokens for one decision than this
 		// replica would accept in one body: a token takes at least a byte.
 		MaxRemoteTokens: int(min(o.MaxBodyBytes, int64(routing.MaxRemoteTokens))),
+		// A replica holds at most --max-inflight ext_proc streams and as
+		// many proxy requests; each may claim MaxRemoteTokens to prefill.
+		MaxPeerInFlight: cmp.Or(sc.MaxPeerInFlight, 2*o.MaxInflight), MaxPeerPrefillTokens: sc.MaxPeerPrefillTokens,
+		// A scrape is fresh for two intervals (and its timeout).
+		Claims: rsync.ClaimCheck{MaxLoadAge: 2*o.ScrapeInterval + o.ScrapeTimeout},
 	}, rsync.Deps{Logger: log, Registry: reg, OnKVEvents: onKV})
 	if err != nil {
-		return nil, fmt.Errorf("%w: sync: %w", ErrUsage, err)
+		return nil, syncConfigError(err)
 	}
 	return sy, nil
 }

@@ -41,6 +41,9 @@ type runtime struct {
 	ranks []*rankState
 	// scraped is the endpoint's last scraped load; nil until a scrape.
 	scraped atomic.Pointer[routing.Load]
+	// scrapedAt is when scraped was reported (engine clock, Unix ns),
+	// stored after it.
+	scrapedAt atomic.Int64
 	// blockSize is the block size the worker reports (vllm:cache_config_info);
 	// 0 until known. Discovery's block size, when given, wins.
 	blockSize atomic.Int64
@@ -220,6 +223,7 @@ func (e *Engine) ReportLoad(ep routing.EndpointKey, ld routing.Load, blockSize i
 		return false
 	}
 	st.scraped.Store(&ld)
+	st.scrapedAt.Store(e.clk.Now().UnixNano()) // after the load: see ScrapedLoad
 	if ld.Known && !ld.Stale {
 		e.scrapeOK(st)
 	}

@@ -73,7 +73,7 @@ type Sample struct {
 
 // Load returns the sample as a routing load.
 func (s Sample) Load() routing.Load {
-	return routing.Load{Waiting: s.Waiting, Running: s.Running, KVUsage: s.KVUsage, Known: s.Known, Stale: s.Stale}
+	return routing.Load{Waiting: s.Waiting, Running: s.Running, KVUsage: s.KVUsage, Known: s.Known, Stale: s.Stale, KVBlocks: s.NumGPUBlocks}
 }
 
 // kind is a load signal a metric name maps to.

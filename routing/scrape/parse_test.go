@@ -32,7 +32,7 @@ func TestParseVLLM(t *testing.T) {
 	if d := cmp.Diff(want, got, cmpopts.EquateApprox(0, 1e-9)); d != "" {
 		t.Errorf("Parse (-want +got):\n%s", d)
 	}
-	if l := got.Load(); l != (routing.Load{Waiting: 4, Running: 7, KVUsage: got.KVUsage, Known: true}) {
+	if l := got.Load(); l != (routing.Load{Waiting: 4, Running: 7, KVUsage: got.KVUsage, Known: true, KVBlocks: 27873}) {
 		t.Errorf("Load() = %+v", l)
 	}
 }

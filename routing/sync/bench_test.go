@@ -1,13 +1,25 @@
 package sync
 
 import (
+	"fmt"
 	"testing"
 	"time"
 
-	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/engine"
+	"github.com/kvbandit/kvbandit/routing/policy"
 )
+
+// remoteOpen counts the peers' decisions the Syncer holds.
+func (s *Syncer) remoteOpen() int {
+	s.rmu.Lock()
+	defer s.rmu.Unlock()
+	n := 0
+	for _, p := range s.peers {
+		n += len(p.decisions)
+	}
+	return n
+}
 
 // BenchmarkLocalSide is a decision's whole cost (Pick, first token, Done)
 // without the Syncer's hooks (sync=off) and with them (sync=on: the
@@ -18,7 +30,7 @@ import (
 //
 //	go test -run '^$' -bench LocalSide -benchmem ./routing/sync/
 func BenchmarkLocalSide(b *testing.B) {
-	srv := natsenv.Start(b, natsenv.Options{})
+	srv := startNATS(b)
 	for _, c := range []struct {
 		name        string
 		hooks, peer bool
@@ -38,6 +50,66 @@ func BenchmarkLocalSide(b *testing.B) {
 				d.Prefilled()
 				d.Done(out)
 				i++
+			}
+		})
+	}
+}
+
+// BenchmarkClaimCheck is one sweep's claim check (vouch.go) with every
+// endpoint freshly scraped and peers' decisions spread over them: the
+// flusher pays it at most once per scrape. Nothing is refuted (the
+// workers vouch for every claim), so each iteration checks them all.
+//
+//	go test -run '^$' -bench ClaimCheck -benchmem ./routing/sync/
+func BenchmarkClaimCheck(b *testing.B) {
+	for _, c := range []struct{ peers, each int }{{3, 100}, {16, 1000}} {
+		b.Run(fmt.Sprintf("peers=%d/decisions=%d", c.peers, c.each), func(b *testing.B) {
+			pol, err := policy.Builtin().New("least_loaded", policy.Deps{Rand: routing.NewRand(1)})
+			if err != nil {
+				b.Fatal(err)
+			}
+			e := engine.Must(pol, engine.Options{}, engine.Deps{Rand: routing.NewRand(1)})
+			b.Cleanup(e.Close)
+			if err := e.Update(routing.EndpointSet{Source: "bench", Endpoints: testFleet}); err != nil {
+				b.Fatal(err)
+			}
+			s, err := New(Config{Servers: []string{"nats://127.0.0.1:1"}, Pool: "p", Replica: "me", Token: "t"}, Deps{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			s.eng = e
+			past := time.Now().Add(-time.Hour)
+			for p := range c.peers {
+				pr := &peer{replica: fmt.Sprintf("peer-%d", p), decisions: map[uint64]*remote{}}
+				for i := range c.each {
+					ep := testFleet[i%len(testFleet)].Key
+					rd, err := e.StartRemote(routing.RemoteStart{Endpoint: ep, DPRank: -1, BlockSize: 16, ISL: 32})
+					if err != nil {
+						b.Fatal(err)
+					}
+					pr.decisions[uint64(i)] = &remote{rd: rd, applied: past, endpoint: ep, rank: -1, isl: 32, prefilled: true}
+				}
+				s.peers[pr.replica] = pr
+			}
+			b.Cleanup(func() {
+				for _, p := range s.peers {
+					p.endAll()
+				}
+			})
+			load := routing.Load{Running: float64(c.peers * c.each / len(testFleet)), Known: true}
+			b.ReportAllocs()
+			for b.Loop() {
+				for _, ep := range testFleet {
+					e.ReportLoad(ep.Key, load, 0)
+				}
+				now := time.Now()
+				fresh := s.freshLoads(now)
+				s.rmu.Lock()
+				s.checkClaims(fresh, now)
+				s.rmu.Unlock()
+			}
+			if n := s.remoteOpen(); n != c.peers*c.each {
+				b.Fatalf("%d decisions left of %d: the check refuted some", n, c.peers*c.each)
 			}
 		})
 	}

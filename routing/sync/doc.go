@@ -64,6 +64,40 @@
 // keys (routing.ErrRemoteLimit, counted). A snapshot that would not fit
 // in one message leaves out block keys, then starts.
 //
+// # Trust
+//
+// Peers are authenticated by NATS: New refuses a Config without
+// credentials (user/password, token, nkey seed file, creds file or an mTLS
+// client certificate) unless AllowAnonymous is set, and then Start logs a
+// warning. Even an authenticated peer is bounded (trust.go, vouch.go):
+//
+//   - caps: at most MaxPeerInFlight open decisions and MaxPeerPrefillTokens
+//     prompt tokens not prefilled yet per peer, at most MaxRemoteTokens
+//     per decision and no more than the endpoint's scraped KV capacity
+//     (num_gpu_blocks × block size); a TTL is required and cut to
+//     MaxRemoteTTL; over-cap Starts are refused and counted by reason;
+//   - claims checked against the workers: at each fresh scrape of an
+//     endpoint (routing/engine ScrapedLoads), the peers' decisions there
+//     beyond what the worker's own running + waiting count vouches for
+//     (minus this replica's own decisions, plus slack for decisions made
+//     since and for sync delay) are refuted: they end, the largest
+//     claimants first (max-min fair shares), and a peer refuted again and
+//     again, or by 32 decisions at once, is quarantined for a minute;
+//   - outcomes: learnt only for the peer's own decisions applied here, not
+//     refuted, vouched for by a fresh scrape (where the endpoint's load is
+//     fresh), once each, with that decision's endpoint and rank, and with
+//     a TTFT and latency that fit how long the decision was open on this
+//     replica's clock; RemoteOutcome.Peer names the peer, and the engine
+//     forgets a peer's teaching (Engine.ForgetPeer) when the peer goes
+//     silent, is evicted as a newcomer or is quarantined;
+//   - identity: another epoch of a live peer's id is taken for its restart
+//     only once that epoch alone has been heard for two heartbeat
+//     intervals, so a client that flips a real peer's epoch cannot end the
+//     peer's decisions at every message.
+//
+// Without fresh load (no /metrics, stale or failed scrapes) only the caps
+// apply. docs/security.md lists every bound with the test that proves it.
+//
 // # Concurrency
 //
 // The hooks take one short mutex (no I/O, no allocation but the in-flight

@@ -9,7 +9,6 @@ import (
 
 	dto "github.com/prometheus/client_model/go"
 
-	"github.com/kvbandit/kvbandit/internal/testenv/natsenv"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/sync/wire"
@@ -43,7 +42,7 @@ func (k *kvSink) received() []wire.KVEvents {
 // own; an endpoint B refuses is counted; a peer without the callback
 // drops them (counted).
 func TestKVEventsRepublished(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := startNATS(t)
 	sa, sb := &kvSink{}, &kvSink{fail: "10.9.9.9:1"}
 	a := newNodeDeps(t, testConfig(srv, "a"), engine.Options{}, true, Deps{OnKVEvents: sa.on})
 	b := newNodeDeps(t, testConfig(srv, "b"), engine.Options{}, true, Deps{OnKVEvents: sb.on})
@@ -93,7 +92,7 @@ func TestKVEventsRepublished(t *testing.T) {
 // payloads stay within MaxKVQueueBytes and the excess is dropped
 // (kv_queue), never blocking the caller.
 func TestKVEventsQueueBound(t *testing.T) {
-	cfg := Config{Servers: []string{"nats://127.0.0.1:1"}, Pool: "p", Replica: "a", MaxKVQueueBytes: 4 << 20}
+	cfg := Config{Servers: []string{"nats://127.0.0.1:1"}, Pool: "p", Replica: "a", Token: "t", MaxKVQueueBytes: 4 << 20}
 	s, err := New(cfg, Deps{})
 	if err != nil {
 		t.Fatal(err)

@@ -41,6 +41,7 @@ func (s *Syncer) OnDecision(_ *routing.Request, d *routing.Decision) {
 	}
 	s.lmu.Lock()
 	s.inflight[id] = st
+	s.inflightAt[id] = s.clk.Now()
 	s.enqueueLocked(wire.StartItem(*st), startSize(st))
 	s.lmu.Unlock()
 }
@@ -82,6 +83,7 @@ func (s *Syncer) OnDone(d *routing.Decision, o routing.Outcome) {
 	s.lmu.Lock()
 	if _, ok := s.inflight[id]; ok {
 		delete(s.inflight, id)
+		delete(s.inflightAt, id)
 		s.enqueueLocked(wire.EndItem(id), 12)
 	}
 	if teach {

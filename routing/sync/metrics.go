@@ -14,6 +14,8 @@ type metrics struct {
 	rejected       *prometheus.CounterVec
 	repaired       *prometheus.CounterVec
 	expired        prometheus.Counter
+	refuted        prometheus.Counter
+	quarantined    prometheus.Counter
 	connectErrors  prometheus.Counter
 	batchItems     prometheus.Histogram
 	degraded       prometheus.Gauge
@@ -25,16 +27,22 @@ func newMetrics(reg prometheus.Registerer, s *Syncer) (*metrics, error) {
 	}, []string{"direction", "kind"})
 	m := &metrics{
 		dropped: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbandit_sync_dropped_total", Help: "Sync items or messages dropped, by reason (queue_full, kv_queue, disconnected, publish_error, too_large, snapshot_trimmed: outgoing; malformed, other_pool, own_replica_id, too_many_peers, peer_evicted (a newcomer peer forgotten to admit a new id), slow_consumer, unsupported: incoming).",
+			Name: "kvbandit_sync_dropped_total", Help: "Sync items or messages dropped, by reason (queue_full, kv_queue, disconnected, publish_error, too_large, snapshot_trimmed: outgoing; malformed, other_pool, own_replica_id, too_many_peers, peer_evicted (a newcomer peer forgotten to admit a new id), epoch_conflict (another epoch of a peer heard within the epoch takeover time), slow_consumer, unsupported: incoming).",
 		}, []string{"reason"}),
 		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvbandit_sync_rejected_total", Help: "Peers' decisions, outcomes and republished KV events this replica refused, by reason (unknown_endpoint, invalid, limit, no_ttl, too_many_tokens).",
+			Name: "kvbandit_sync_rejected_total", Help: "Peers' decisions, outcomes and republished KV events this replica refused, by reason (unknown_endpoint, invalid, limit, no_ttl, too_many_tokens, peer_inflight, peer_prefill_tokens, over_kv_capacity, quarantined; outcomes: outcome_unmatched, outcome_duplicate, outcome_mismatch, outcome_refuted, outcome_implausible).",
 		}, []string{"reason"}),
 		repaired: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbandit_sync_snapshot_repairs_total", Help: "Peers' decisions a snapshot started (missed Start) or ended (missed End).",
 		}, []string{"action"}),
 		expired: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbandit_sync_expired_total", Help: "Peers' decisions ended because their peer went silent for the peer TTL or their own TTL passed.",
+		}),
+		refuted: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbandit_sync_refuted_total", Help: "Peers' decisions ended because the worker's own scraped request count (running + waiting) did not vouch for them.",
+		}),
+		quarantined: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvbandit_sync_quarantined_total", Help: "Peers quarantined because the workers refuted their decisions again and again (their Starts and outcomes refused for a while).",
 		}),
 		connectErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvbandit_sync_connect_errors_total", Help: "Failed NATS connect attempts and asynchronous NATS errors.",
@@ -58,7 +66,10 @@ func newMetrics(reg prometheus.Registerer, s *Syncer) (*metrics, error) {
 	age := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvbandit_sync_peer_update_age_seconds", Help: "Age of the newest message from any peer replica (0 without peers).",
 	}, s.newestUpdateAge)
-	for _, c := range []prometheus.Collector{msgs, m.dropped, m.rejected, m.repaired, m.expired, m.connectErrors, m.batchItems, m.degraded, peers, age} {
+	quarantinedNow := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvbandit_sync_peers_quarantined", Help: "Peer replica ids quarantined now.",
+	}, s.quarantinedPeers)
+	for _, c := range []prometheus.Collector{msgs, m.dropped, m.rejected, m.repaired, m.expired, m.refuted, m.quarantined, m.connectErrors, m.batchItems, m.degraded, peers, age, quarantinedNow} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

@@ -29,6 +29,12 @@ type peer struct {
 	// (established).
 	joined time.Time
 	msgs   uint64
+	// trust bounds what it may claim (trust.go).
+	trust peerTrust
+	// candEpoch is another epoch heard since the current one was last
+	// heard, first at candSince (takeEpoch); 0: none.
+	candEpoch uint64
+	candSince time.Time
 }
 
 // Peers become established after establishMsgs messages over at least a
@@ -46,19 +52,31 @@ func (p *peer) established(now time.Time, hb time.Duration) bool {
 type remote struct {
 	rd       *engine.RemoteDecision
 	deadline time.Time // the Start's TTL, at most Config.MaxRemoteTTL
+	// applied is when it was applied here; endpoint, rank and isl are
+	// its Start's (trust.go, vouch.go).
+	applied   time.Time
+	endpoint  routing.EndpointKey
+	rank      int32
+	isl       int64
+	prefilled bool // its first token came
+	learned   bool // its outcome was learnt
+	vouched   bool // a fresh scrape of its endpoint counted it (vouch.go)
 }
 
+// endAll ends every decision of the peer (it restarted, left or was
+// quarantined); their outcomes will not be learnt.
 func (p *peer) endAll() {
 	for id, r := range p.decisions {
 		r.rd.End()
 		delete(p.decisions, id)
 	}
+	p.trust.prefill = 0
 }
 
-func (p *peer) end(id uint64) {
+// end ends one decision, kept for its outcome.
+func (p *peer) end(id uint64, now time.Time) {
 	if r, ok := p.decisions[id]; ok {
-		r.rd.End()
-		delete(p.decisions, id)
+		p.release(id, r, now, false, false)
 	}
 }
 
@@ -106,8 +124,13 @@ func (s *Syncer) receive(msg *nats.Msg) {
 		s.peerLine(now, slog.LevelInfo, "peer replica joined", "peer", m.Replica)
 		s.signal(s.resnap) // it may have missed our state
 	} else if p.epoch != m.Epoch {
+		if !s.takeEpoch(p, m.Epoch, now) {
+			s.m.dropped.WithLabelValues("epoch_conflict").Inc()
+			return
+		}
 		s.peerLine(now, slog.LevelInfo, "peer replica restarted: its previous decisions end", "peer", m.Replica, "ended", len(p.decisions))
 		p.endAll()
+		p.trust.ended, p.trust.order, p.trust.next = nil, nil, 0
 		p.epoch, p.seq, p.gaps = m.Epoch, 0, 0
 		s.signal(s.resnap)
 	} else if now.Sub(p.lastHeard) > 2*s.cfg.HeartbeatInterval {
@@ -115,6 +138,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 		// have missed our messages too.
 		s.signal(s.resnap)
 	}
+	p.candEpoch = 0 // the current epoch is alive
 	if p.seq != 0 && m.Seq > p.seq+1 {
 		p.gaps += m.Seq - p.seq - 1
 	}
@@ -157,7 +181,7 @@ func (s *Syncer) evictNewcomer(now time.Time, heard uint64) bool {
 	if victim == nil || victim.msgs >= heard {
 		return false
 	}
-	victim.endAll()
+	s.forgetPeer(victim)
 	delete(s.peers, victim.replica)
 	s.seen.put(victim.replica, victim.msgs, victim.lastHeard)
 	s.m.dropped.WithLabelValues("peer_evicted").Inc()
@@ -170,14 +194,12 @@ func (s *Syncer) applyItem(p *peer, it *wire.Item, now time.Time) {
 		s.start(p, &it.Start, now)
 	case wire.ItemFirst:
 		if r, ok := p.decisions[it.ID]; ok {
-			r.rd.Prefilled()
+			p.setPrefilled(r)
 		}
 	case wire.ItemEnd:
-		p.end(it.ID)
+		p.end(it.ID, now)
 	case wire.ItemOutcome:
-		if err := s.eng.LearnRemote(remoteOutcome(&it.Outcome)); err != nil {
-			s.reject(err)
-		}
+		s.learn(p, &it.Outcome, now)
 	}
 }
 
@@ -185,7 +207,7 @@ func (s *Syncer) applyItem(p *peer, it *wire.Item, now time.Time) {
 func (s *Syncer) start(p *peer, st *wire.Start, now time.Time) {
 	if r, ok := p.decisions[st.ID]; ok {
 		if st.Prefilled {
-			r.rd.Prefilled()
+			p.setPrefilled(r)
 		}
 		return
 	}
@@ -195,6 +217,10 @@ func (s *Syncer) start(p *peer, st *wire.Start, now time.Time) {
 		return
 	case int64(st.ISL) > int64(s.cfg.MaxRemoteTokens):
 		s.m.rejected.WithLabelValues("too_many_tokens").Inc()
+		return
+	}
+	if reason := s.admit(p, st, now); reason != "" {
+		s.m.rejected.WithLabelValues(reason).Inc()
 		return
 	}
 	rs := routing.RemoteStart{
@@ -214,11 +240,8 @@ func (s *Syncer) start(p *peer, st *wire.Start, now time.Time) {
 		s.reject(err)
 		return
 	}
-	if st.Prefilled {
-		rd.Prefilled()
-	}
 	r := &remote{rd: rd, deadline: now.Add(min(time.Duration(st.TTL)*time.Millisecond, s.cfg.MaxRemoteTTL))}
-	p.decisions[st.ID] = r
+	p.applied(st.ID, st, r, now)
 }
 
 // applySnapshot makes the peer's applied decisions those of the snapshot:
@@ -230,7 +253,7 @@ func (s *Syncer) applySnapshot(p *peer, starts []wire.Start, now time.Time) {
 	}
 	for id := range p.decisions {
 		if _, ok := in[id]; !ok {
-			p.end(id)
+			p.end(id, now)
 			s.m.repaired.WithLabelValues("ended").Inc()
 		}
 	}
@@ -241,7 +264,7 @@ func (s *Syncer) applySnapshot(p *peer, starts []wire.Start, now time.Time) {
 				s.m.repaired.WithLabelValues("started").Inc()
 			}
 		} else if starts[i].Prefilled {
-			p.decisions[starts[i].ID].rd.Prefilled()
+			p.setPrefilled(p.decisions[starts[i].ID])
 		}
 	}
 }
@@ -275,6 +298,7 @@ func remoteOutcome(o *wire.Outcome) routing.RemoteOutcome {
 // ends decisions past their TTL.
 func (s *Syncer) sweep() {
 	now := s.clk.Now()
+	fresh := s.freshLoads(now) // before s.rmu: it takes s.lmu
 	s.rmu.Lock()
 	defer s.rmu.Unlock()
 	if s.closed {
@@ -284,19 +308,44 @@ func (s *Syncer) sweep() {
 		if now.Sub(p.lastHeard) > s.cfg.PeerTTL {
 			s.peerLine(now, slog.LevelWarn, "peer replica silent: its decisions end", "peer", id, "silent", now.Sub(p.lastHeard).Round(time.Millisecond), "ended", len(p.decisions))
 			s.m.expired.Add(float64(len(p.decisions)))
-			p.endAll()
+			s.forgetPeer(p)
 			delete(s.peers, id)
 			continue
 		}
 		for did, r := range p.decisions {
 			if now.After(r.deadline) {
-				p.end(did)
+				p.end(did, now)
 				s.m.expired.Inc()
 			} else if r.rd.Ended() {
-				delete(p.decisions, did) // the engine's stale timer ended it
+				p.release(did, r, now, false, true) // the engine's stale timer ended it
 			}
 		}
+		p.trust.pruneEnded(now, 2*s.cfg.OutcomeSlack+s.cfg.BatchInterval, s.cfg.MaxRemoteTTL)
 	}
+	s.checkClaims(fresh, now)
+}
+
+// takeEpoch reports whether a message of peer p's id with another epoch
+// is its restart. It is when that epoch alone has been heard for two
+// heartbeat intervals (a live peer sends at least one heartbeat per
+// interval): a restarted process's old epoch falls silent, while a client
+// that sends messages with a live peer's id and other epochs (each one a
+// "restart" that ended the peer's decisions) is dropped, whether it
+// alternates epochs (the candidate changes at every message) or keeps
+// one (the live peer's own messages keep resetting it). Messages of the
+// candidate epoch are dropped until it is taken; its snapshot repairs
+// what they carried.
+func (s *Syncer) takeEpoch(p *peer, epoch uint64, now time.Time) bool {
+	if p.candEpoch != epoch {
+		p.candEpoch, p.candSince = epoch, now
+		return false
+	}
+	takeover := 2 * s.cfg.HeartbeatInterval
+	if now.Sub(p.candSince) < takeover || now.Sub(p.lastHeard) < takeover {
+		return false
+	}
+	p.candEpoch = 0
+	return true
 }
 
 // PeerInfo describes one peer replica (/debug/replicas).
@@ -316,6 +365,11 @@ type PeerInfo struct {
 	// Seq is its last message's number, MissedMessages the gaps seen.
 	Seq            uint64 `json:"seq"`
 	MissedMessages uint64 `json:"missed_messages"`
+	// PrefillTokens is the prompt tokens of its applied decisions not
+	// prefilled yet; Quarantined says its claims were refuted again and
+	// again (its Starts and outcomes are refused for now).
+	PrefillTokens int64 `json:"prefill_tokens"`
+	Quarantined   bool  `json:"quarantined,omitempty"`
 }
 
 // Status is the syncer's state (/debug/replicas).
@@ -345,6 +399,7 @@ func (s *Syncer) Status() Status {
 		pi := PeerInfo{
 			Replica: p.replica, Epoch: p.epoch, LastHeardSeconds: now.Sub(p.lastHeard).Seconds(), LastHeartbeatSeconds: -1,
 			InFlightReported: int(p.reported), InFlightApplied: len(p.decisions), Seq: p.seq, MissedMessages: p.gaps,
+			PrefillTokens: p.trust.prefill, Quarantined: s.quarantined(p.replica, now),
 		}
 		if !p.lastHB.IsZero() {
 			pi.LastHeartbeatSeconds = now.Sub(p.lastHB).Seconds()

@@ -47,6 +47,7 @@ func (w *syncBuf) String() string {
 type node struct {
 	name string
 	e    *engine.Engine
+	spy  *spyEngine // e as the Syncer sees it
 	pol  *kvbandit.Policy
 	s    *Syncer
 	reg  *prometheus.Registry
@@ -65,7 +66,7 @@ func testConfig(srv *natsenv.Server, replica string) Config {
 		ReconnectWait: 100 * time.Millisecond,
 	}
 	o := srv.Options()
-	c.User, c.Password, c.Token = o.User, o.Password, o.Token
+	c.User, c.Password, c.Token, c.NkeyFile = o.User, o.Password, o.Token, srv.NkeySeedFile()
 	if f := srv.TLSFiles(); f.CA != "" {
 		c.TLS = TLSConfig{CA: f.CA, Cert: f.ClientCert, Key: f.ClientKey}
 	}
@@ -128,7 +129,8 @@ func newNodeDeps(t testing.TB, cfg Config, opts engine.Options, hooks bool, deps
 	})
 	t.Cleanup(e.Close)
 	t.Cleanup(func() { _ = s.Close() })
-	if err := s.Start(e); err != nil {
+	n.spy = &spyEngine{Engine: e}
+	if err := s.Start(n.spy); err != nil {
 		t.Fatal(err)
 	}
 	return n
@@ -231,7 +233,7 @@ func waitConnected(t testing.TB, nodes ...*node) {
 // RemoteInFlight within 100 ms and disappear at their End; A's outcomes
 // teach B's posteriors; a session pinned through A sticks on B.
 func TestSharesInFlightAndEnds(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := startNATS(t)
 	a := newNode(t, testConfig(srv, "a"), engine.Options{})
 	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	c := newNode(t, testConfig(srv, "c"), engine.Options{})
@@ -270,7 +272,10 @@ func TestSharesInFlightAndEnds(t *testing.T) {
 
 	for _, d := range ds {
 		d.Prefilled()
-		o := routing.Outcome{Kind: routing.OutcomeSuccess, Status: 200, TTFT: 80 * time.Millisecond, Latency: time.Second, PromptTokens: 256, CompletionTokens: 10, CachedTokens: 0}
+		// Timings as the data plane measures them: since the decision
+		// (peers check them against how long it was open on their clock).
+		took := time.Since(d.At)
+		o := routing.Outcome{Kind: routing.OutcomeSuccess, Status: 200, TTFT: took / 2, Latency: took, PromptTokens: 256, CompletionTokens: 10, CachedTokens: 0}
 		d.Done(o)
 	}
 	for _, n := range []*node{b, c} {
@@ -296,7 +301,7 @@ func TestSharesInFlightAndEnds(t *testing.T) {
 // from A's in-flight set and queue, as a full queue or a lost message
 // would) is repaired by A's next snapshot.
 func TestSnapshotRepairsDroppedEnd(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := startNATS(t)
 	a := newNode(t, testConfig(srv, "a"), engine.Options{})
 	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
@@ -323,7 +328,7 @@ func TestSnapshotRepairsDroppedEnd(t *testing.T) {
 // TestPeerTTLExpiry: a replica that goes away without a word has its
 // decisions dropped by its peers after the peer TTL.
 func TestPeerTTLExpiry(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := startNATS(t)
 	a := newNode(t, testConfig(srv, "a"), engine.Options{})
 	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
@@ -355,7 +360,7 @@ func TestPeerTTLExpiry(t *testing.T) {
 // same port the replicas converge (peers' in-flight equal to the truth,
 // including decisions made and ended during the outage) within 2 s.
 func TestNATSKillRestart(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := startNATS(t)
 	a := newNode(t, testConfig(srv, "a"), engine.Options{})
 	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
@@ -435,7 +440,7 @@ func TestWrongPassword(t *testing.T) {
 // TestUnreachableAtStart: no server at all: Start returns at once, the
 // replica is degraded and routes.
 func TestUnreachableAtStart(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := startNATS(t)
 	cfg := testConfig(srv, "a")
 	srv.Kill()
 	t0 := time.Now()
@@ -455,7 +460,7 @@ func TestUnreachableAtStart(t *testing.T) {
 // TestHostileMessages: garbage, another pool, unknown endpoints and a
 // replica flooding Starts are counted and bounded, never a crash.
 func TestHostileMessages(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := startNATS(t)
 	b := newNode(t, testConfig(srv, "b"), engine.Options{MaxRemoteDecisions: 100})
 	waitFor(t, 5*time.Second, "b connected", func() bool { return !b.s.Degraded() })
 	// The attacker is another Syncer-shaped publisher: a raw connection.
@@ -497,7 +502,7 @@ func TestHostileMessages(t *testing.T) {
 // token, end, outcome) are batched: far fewer than 2 messages a decision,
 // and the peer ends with nothing in flight.
 func TestMessagesPerDecisionUnderLoad(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := startNATS(t)
 	a := newNode(t, testConfig(srv, "a"), engine.Options{})
 	b := newNode(t, testConfig(srv, "b"), engine.Options{})
 	waitConnected(t, a, b)
@@ -543,7 +548,7 @@ func TestMessagesPerDecisionUnderLoad(t *testing.T) {
 // interval; the subscription holds at most MaxPendingMsgs messages
 // beside MaxPendingBytes; the replica still routes.
 func TestRestartFloodBounded(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := startNATS(t)
 	cfg := testConfig(srv, "b")
 	b := newNode(t, cfg, engine.Options{})
 	waitFor(t, 5*time.Second, "b connected", func() bool { return !b.s.Degraded() })
@@ -607,7 +612,7 @@ func TestLineBudget(t *testing.T) {
 // a TTL over MaxRemoteTTL is cut to it (the decision ends then, though
 // its peer keeps heartbeating).
 func TestPeerStartBounds(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := startNATS(t)
 	cfg := testConfig(srv, "b")
 	cfg.MaxRemoteTTL, cfg.MaxRemoteTokens = 400*time.Millisecond, 4096
 	cfg.PeerTTL = 5 * time.Second
@@ -654,7 +659,7 @@ func TestPeerStartBounds(t *testing.T) {
 // joins is admitted at its second message and keeps its slot; forged ids
 // never evict each other.
 func TestForgedIDsCannotLockOut(t *testing.T) {
-	srv := natsenv.Start(t, natsenv.Options{})
+	srv := startNATS(t)
 	cfg := testConfig(srv, "b")
 	cfg.MaxPeers = 8
 	b := newNode(t, cfg, engine.Options{})

@@ -41,10 +41,22 @@ const (
 	// DefaultDecisionTTL is the TTL sent with every Start: how long peers
 	// keep a decision without an End (the engine's stale bound).
 	DefaultDecisionTTL = engine.DefaultStaleAfter
+	// DefaultMaxPeerInFlight bounds one peer's open decisions: what one
+	// replica at the default --max-inflight (1024) could hold, with as
+	// many proxy requests.
+	DefaultMaxPeerInFlight = 2048
+	// DefaultOutcomeSlack is how much longer than a decision was open
+	// here its outcome may say it took (sync delay, batching).
+	DefaultOutcomeSlack = 500 * time.Millisecond
 )
 
 // ErrConfig is wrapped by New for an invalid Config.
 var ErrConfig = errors.New("sync: invalid config")
+
+// ErrNoCredentials is wrapped (with ErrConfig) by New for a Config with
+// no credentials and without AllowAnonymous: on a NATS server that lets
+// anyone in, every client would be a trusted peer.
+var ErrNoCredentials = errors.New("sync: no NATS credentials (user/password, token, nkey seed file, creds file or an mTLS client certificate)")
 
 // Config configures a Syncer. Zero durations and limits take the defaults
 // above.
@@ -58,11 +70,18 @@ type Config struct {
 	// SubjectPrefix is the subject prefix; default "kvbandit.<pool>".
 	SubjectPrefix string
 
-	// Authentication: a credentials file, or user and password, or a
-	// token (at most one of them).
+	// Authentication: a credentials file (JWT and nkey seed), or user and
+	// password, or a token, or an nkey seed file (at most one of them),
+	// and/or a TLS client certificate (TLS.Cert, mTLS). One of them is
+	// required unless AllowAnonymous is set.
 	CredsFile      string
 	User, Password string
 	Token          string
+	NkeyFile       string
+	// AllowAnonymous lets the syncer connect without credentials (a
+	// warning is logged at Start): then any client the NATS server lets
+	// in can act as a peer.
+	AllowAnonymous bool
 	// TLS configures TLS and mutual TLS.
 	TLS TLSConfig
 
@@ -83,6 +102,20 @@ type Config struct {
 	// serve sets it to --max-body-bytes: a token takes at least a byte
 	// of the body a replica accepts. Default routing.MaxRemoteTokens.
 	MaxRemoteTokens int
+	// MaxPeerInFlight bounds the open decisions one peer may claim, and
+	// MaxPeerPrefillTokens the prompt tokens of those not prefilled yet;
+	// a Start past either is refused (reasons "peer_inflight",
+	// "peer_prefill_tokens"). Defaults DefaultMaxPeerInFlight and
+	// MaxPeerInFlight × MaxRemoteTokens: what one replica could hold.
+	MaxPeerInFlight      int
+	MaxPeerPrefillTokens int64
+	// OutcomeSlack bounds how much a peer's outcome's TTFT and latency
+	// may exceed the time its decision was open here (and the latency
+	// fall short of it); default DefaultOutcomeSlack.
+	OutcomeSlack time.Duration
+	// Claims configures the check of peers' decisions against the
+	// workers' own request counts (ClaimCheck).
+	Claims ClaimCheck
 	// ReconnectWait is the pause between reconnect attempts (plus up to
 	// half of it at random).
 	ReconnectWait time.Duration
@@ -127,7 +160,9 @@ type Deps struct {
 	Logger   *slog.Logger          // nil: slog.Default()
 	Registry prometheus.Registerer // nil: a private registry
 	// Clock measures peers' ages and decisions' TTLs; the periodic work
-	// (batching, heartbeats, snapshots, sweeps) runs on real tickers.
+	// (batching, heartbeats, snapshots, sweeps) runs on real tickers. It
+	// must be the engine's clock: the claim checks compare it with the
+	// times the engine's scraped loads were reported.
 	Clock clock.Clock
 	// Rand picks the epoch; nil: crypto/rand.
 	Rand func() uint64
@@ -158,17 +193,8 @@ func (c *Config) defaults() error {
 	if strings.ContainsAny(c.SubjectPrefix, " \t\r\n*>") || strings.HasPrefix(c.SubjectPrefix, ".") || strings.HasSuffix(c.SubjectPrefix, ".") || strings.Contains(c.SubjectPrefix, "..") {
 		return fmt.Errorf("%w: subject prefix %q", ErrConfig, c.SubjectPrefix)
 	}
-	n := 0
-	for _, set := range []bool{c.CredsFile != "", c.User != "" || c.Password != "", c.Token != ""} {
-		if set {
-			n++
-		}
-	}
-	if n > 1 {
-		return fmt.Errorf("%w: credentials file, user/password and token are exclusive", ErrConfig)
-	}
-	if (c.TLS.Cert == "") != (c.TLS.Key == "") {
-		return fmt.Errorf("%w: tls cert and key go together", ErrConfig)
+	if err := c.checkCredentials(); err != nil {
+		return err
 	}
 	def := func(d *time.Duration, v time.Duration) {
 		if *d <= 0 {
@@ -184,6 +210,14 @@ func (c *Config) defaults() error {
 	if c.MaxRemoteTokens <= 0 || c.MaxRemoteTokens > routing.MaxRemoteTokens {
 		c.MaxRemoteTokens = routing.MaxRemoteTokens
 	}
+	if c.MaxPeerInFlight <= 0 {
+		c.MaxPeerInFlight = DefaultMaxPeerInFlight
+	}
+	if c.MaxPeerPrefillTokens <= 0 {
+		c.MaxPeerPrefillTokens = int64(c.MaxPeerInFlight) * int64(c.MaxRemoteTokens)
+	}
+	def(&c.OutcomeSlack, DefaultOutcomeSlack)
+	c.Claims.defaults()
 	def(&c.ReconnectWait, DefaultReconnectWait)
 	if c.PeerTTL <= c.HeartbeatInterval {
 		return fmt.Errorf("%w: peer TTL %v must exceed the heartbeat interval %v", ErrConfig, c.PeerTTL, c.HeartbeatInterval)
@@ -204,6 +238,34 @@ func (c *Config) defaults() error {
 		c.MaxKVQueueBytes = DefaultMaxKVQueueBytes
 	}
 	return nil
+}
+
+// checkCredentials: at most one of creds file, user/password, token and
+// nkey seed file; a TLS cert with its key; and some credential unless
+// AllowAnonymous.
+func (c *Config) checkCredentials() error {
+	n := 0
+	for _, set := range []bool{c.CredsFile != "", c.User != "" || c.Password != "", c.Token != "", c.NkeyFile != ""} {
+		if set {
+			n++
+		}
+	}
+	if n > 1 {
+		return fmt.Errorf("%w: credentials file, user/password, token and nkey seed file are exclusive", ErrConfig)
+	}
+	if (c.TLS.Cert == "") != (c.TLS.Key == "") {
+		return fmt.Errorf("%w: tls cert and key go together", ErrConfig)
+	}
+	if n == 0 && c.TLS.Cert == "" && !c.AllowAnonymous {
+		return fmt.Errorf("%w: %w", ErrConfig, ErrNoCredentials)
+	}
+	return nil
+}
+
+// Anonymous reports whether the configuration connects without
+// credentials (AllowAnonymous and none given).
+func (c *Config) Anonymous() bool {
+	return c.CredsFile == "" && c.User == "" && c.Password == "" && c.Token == "" && c.NkeyFile == "" && c.TLS.Cert == ""
 }
 
 // subjectToken makes a pool name usable as one subject token.
@@ -242,6 +304,9 @@ type Syncer struct {
 	kvKick   chan struct{} // the KV-event queue went from empty to not empty
 	seq      uint64        // flusher only
 	buf      []byte        // flusher only
+	// inflightAt is when each in-flight decision was made (s.clk), for
+	// the claim checks (vouch.go).
+	inflightAt map[uint64]time.Time
 
 	// Remote side.
 	rmu    stdsync.Mutex
@@ -251,6 +316,9 @@ type Syncer struct {
 	seen   seenIDs // ids without a slot, by how often they were heard
 	closed bool
 	onKV   func(endpoint string, seq uint64, payload []byte) error
+	// suspects are ids whose claims were refuted, or quarantined
+	// (trust.go); at most MaxPeers.
+	suspects map[string]*suspect
 
 	nc        *nats.Conn
 	sub       *nats.Subscription
@@ -261,6 +329,11 @@ type Syncer struct {
 	wg        stdsync.WaitGroup
 	started   bool
 	closeOnce stdsync.Once
+
+	// refuteLines and claimLines bound refutation and quarantine lines;
+	// claims is the flusher's state of the claim check (sweep).
+	refuteLines, claimLines lineBudget
+	claims                  claimCheckState
 }
 
 // New checks cfg and makes a Syncer. It does not connect: its hooks may
@@ -280,8 +353,8 @@ func New(cfg Config, deps Deps) (*Syncer, error) {
 	}
 	s := &Syncer{
 		cfg: cfg, log: deps.Logger.With("component", "sync", "replica", cfg.Replica, "pool", cfg.Pool), clk: deps.Clock,
-		inflight: make(map[uint64]*wire.Start),
-		kick:     make(chan struct{}, 1), urgent: make(chan struct{}, 1), resnap: make(chan struct{}, 1), kvKick: make(chan struct{}, 1),
+		inflight: make(map[uint64]*wire.Start), inflightAt: make(map[uint64]time.Time), suspects: make(map[string]*suspect),
+		kick: make(chan struct{}, 1), urgent: make(chan struct{}, 1), resnap: make(chan struct{}, 1), kvKick: make(chan struct{}, 1),
 		peers: make(map[string]*peer), stop: make(chan struct{}), onKV: deps.OnKVEvents,
 	}
 	if deps.Rand != nil {
@@ -296,6 +369,8 @@ func New(cfg Config, deps Deps) (*Syncer, error) {
 	}
 	s.authLog.every = 30 * time.Second
 	s.peerLines.burst, s.peerLines.window = peerLinesBurst, peerLinesWindow
+	s.refuteLines.burst, s.refuteLines.window = quarantineLinesBurst/2, peerLinesWindow
+	s.claimLines.burst, s.claimLines.window = quarantineLinesBurst/2, peerLinesWindow
 	s.seen.max = 4 * cfg.MaxPeers
 	m, err := newMetrics(deps.Registry, s)
 	if err != nil {
@@ -327,6 +402,9 @@ func (s *Syncer) Start(e Engine) error {
 	opts, err := s.natsOptions()
 	if err != nil {
 		return err
+	}
+	if s.cfg.Anonymous() {
+		s.log.Warn("NATS without credentials (--sync-allow-anonymous): any client the NATS server lets in can act as a peer replica; give the replicas credentials (docs/security.md)")
 	}
 	s.rmu.Lock()
 	s.eng = e
@@ -410,6 +488,12 @@ func (s *Syncer) natsOptions() ([]nats.Option, error) {
 		opts = append(opts, nats.UserInfo(c.User, c.Password))
 	case c.Token != "":
 		opts = append(opts, nats.Token(c.Token))
+	case c.NkeyFile != "":
+		opt, err := nats.NkeyOptionFromSeed(c.NkeyFile)
+		if err != nil {
+			return nil, fmt.Errorf("%w: nkey seed file: %w", ErrConfig, err)
+		}
+		opts = append(opts, opt)
 	}
 	if c.TLS.enabled() {
 		tc, err := c.TLS.config()
@@ -465,7 +549,7 @@ func (s *Syncer) connectFailed(err error) {
 	if s.authLog.allow(err.Error(), time.Now()) {
 		msg := "NATS connect failed: routing on local state, retrying"
 		if errors.Is(err, nats.ErrAuthorization) || strings.Contains(strings.ToLower(err.Error()), "authorization") {
-			msg = "NATS rejected the credentials (check sync.nats user/password, token or creds_file): routing on local state, retrying"
+			msg = "NATS rejected the credentials (check sync.nats user/password, token, nkey_file or creds_file): routing on local state, retrying"
 		}
 		s.log.Error(msg, "err", err, "servers", s.cfg.Servers)
 	}
@@ -528,6 +612,7 @@ func (s *Syncer) Close() error {
 			p.endAll()
 			delete(s.peers, id)
 		}
+		s.suspects = nil
 		s.rmu.Unlock()
 	})
 	return nil

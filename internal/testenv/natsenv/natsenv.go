@@ -1,7 +1,7 @@
 // Package natsenv runs a real nats-server (v2.15.2, built and cached by
 // tools/build.sh, found by [testenv.Tool]) for tests: client port only, on
 // 127.0.0.1 only (no HTTP monitor, cluster, gateway, leafnode, websocket or
-// MQTT listener, no JetStream), with plain, user/password or token
+// MQTT listener, no JetStream), with plain, user/password, token or nkey
 // authentication and optionally TLS or mutual TLS from a throwaway CA. Its
 // configuration, certificates and log live in the test's temporary
 // directory, and it is stopped when the test ends. Kill and Restart (on the
@@ -27,6 +27,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nkeys"
+
 	"github.com/kvbandit/kvbandit/internal/testenv"
 )
 
@@ -37,6 +40,9 @@ type Options struct {
 	User, Password string
 	// Token requires this authorization token (not with User).
 	Token string
+	// Nkey requires the nkey user generated for this server; clients
+	// sign with its seed (NkeySeedFile). Not with User or Token.
+	Nkey bool
 	// TLS requires TLS; the server's certificate (IP SAN 127.0.0.1) is
 	// signed by a CA generated for this server (see ClientTLS, TLSFiles).
 	TLS bool
@@ -54,6 +60,9 @@ func (o Options) validate() error {
 	}
 	if o.Token != "" && o.User != "" {
 		return fmt.Errorf("%w: Token and User/Password are exclusive", ErrOptions)
+	}
+	if o.Nkey && (o.Token != "" || o.User != "") {
+		return fmt.Errorf("%w: Nkey, Token and User/Password are exclusive", ErrOptions)
 	}
 	for _, v := range []string{o.User, o.Password, o.Token} {
 		for _, r := range v {
@@ -86,6 +95,9 @@ type Server struct {
 	name string // server_name, unique per Server: proves who answers on the port
 	opts Options
 	pki  *pki // nil without TLS
+	// nkeyPub and nkeySeed are the nkey user's public key and seed file
+	// (Options.Nkey).
+	nkeyPub, nkeySeed string
 
 	mu   sync.Mutex
 	port int // 0 until the first start picked one
@@ -114,6 +126,11 @@ func Start(t testing.TB, opts Options) *Server {
 			t.Fatalf("natsenv: TLS material: %v", err)
 		}
 		s.pki = p
+	}
+	if opts.Nkey {
+		if err := s.newNkey(); err != nil {
+			t.Fatalf("natsenv: nkey: %v", err)
+		}
 	}
 	t.Cleanup(func() {
 		s.Stop()
@@ -173,6 +190,52 @@ func (s *Server) TLSFiles() TLSFiles {
 		f.ClientCert, f.ClientKey = s.pki.files.ClientCert, s.pki.files.ClientKey
 	}
 	return f
+}
+
+// NkeySeedFile is the path of the nkey user's seed file (what
+// nats.NkeyOptionFromSeed and kvbandit's sync.nats.nkey_file read); empty
+// without Options.Nkey.
+func (s *Server) NkeySeedFile() string { return s.nkeySeed }
+
+// ClientOptions are the nats.go options that authenticate to the server:
+// its user/password, token or nkey seed, and its TLS (with the client
+// certificate for mTLS).
+func (s *Server) ClientOptions() []nats.Option {
+	var opts []nats.Option
+	switch o := s.opts; {
+	case o.User != "":
+		opts = append(opts, nats.UserInfo(o.User, o.Password))
+	case o.Token != "":
+		opts = append(opts, nats.Token(o.Token))
+	case o.Nkey:
+		opt, err := nats.NkeyOptionFromSeed(s.nkeySeed)
+		if err != nil {
+			s.t.Fatalf("natsenv: nkey seed: %v", err)
+		}
+		opts = append(opts, opt)
+	}
+	if c := s.ClientTLS(); c != nil {
+		opts = append(opts, nats.Secure(c))
+	}
+	return opts
+}
+
+// newNkey makes the nkey user and writes its seed file.
+func (s *Server) newNkey() error {
+	kp, err := nkeys.CreateUser()
+	if err != nil {
+		return err
+	}
+	pub, err := kp.PublicKey()
+	if err != nil {
+		return err
+	}
+	seed, err := kp.Seed()
+	if err != nil {
+		return err
+	}
+	s.nkeyPub, s.nkeySeed = pub, filepath.Join(s.dir, "user.nk")
+	return os.WriteFile(s.nkeySeed, seed, 0o600)
 }
 
 // PID is the running server's process id, 0 when it is not running.
@@ -268,6 +331,8 @@ func (s *Server) config(port int, portsDir string) string {
 		fmt.Fprintf(&b, "authorization {\n  user: %s\n  password: %s\n}\n", quote(s.opts.User), quote(s.opts.Password))
 	case s.opts.Token != "":
 		fmt.Fprintf(&b, "authorization {\n  token: %s\n}\n", quote(s.opts.Token))
+	case s.opts.Nkey:
+		fmt.Fprintf(&b, "authorization {\n  users: [ { nkey: %s } ]\n}\n", quote(s.nkeyPub))
 	}
 	if s.pki != nil {
 		fmt.Fprintf(&b, "tls {\n  cert_file: %s\n  key_file: %s\n  timeout: 2\n", quote(s.pki.server.cert), quote(s.pki.server.key))

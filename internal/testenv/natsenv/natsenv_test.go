@@ -35,20 +35,7 @@ func connect(t *testing.T, s *Server, extra ...nats.Option) *nats.Conn {
 }
 
 // credentials are the options that authenticate to s.
-func credentials(s *Server) []nats.Option {
-	o := s.Options()
-	var opts []nats.Option
-	if o.User != "" {
-		opts = append(opts, nats.UserInfo(o.User, o.Password))
-	}
-	if o.Token != "" {
-		opts = append(opts, nats.Token(o.Token))
-	}
-	if c := s.ClientTLS(); c != nil {
-		opts = append(opts, nats.Secure(c))
-	}
-	return opts
-}
+func credentials(s *Server) []nats.Option { return s.ClientOptions() }
 
 // roundTrip publishes on subject through pub and waits for it on sub.
 func roundTrip(t *testing.T, pub *nats.Conn, sub *nats.Subscription, subject string) {
@@ -82,6 +69,8 @@ var modes = []struct {
 	{"mtls", Options{MTLS: true}, "tls"},
 	{"tls-userpass", Options{TLS: true, User: "kv", Password: "s3cret"}, "tls"},
 	{"mtls-token", Options{MTLS: true, Token: "tok-123"}, "tls"},
+	{"nkey", Options{Nkey: true}, "nats"},
+	{"tls-nkey", Options{TLS: true, Nkey: true}, "tls"},
 }
 
 // TestRoundTrip connects with nats.go in every mode and passes a message
@@ -144,6 +133,12 @@ func TestTLSFiles(t *testing.T) {
 func TestAuthFailures(t *testing.T) {
 	up := Start(t, Options{User: "kv", Password: "s3cret"})
 	tok := Start(t, Options{Token: "tok-123"})
+	nk := Start(t, Options{Nkey: true})
+	other := Start(t, Options{Nkey: true}) // another nkey user
+	otherSeed, err := nats.NkeyOptionFromSeed(other.NkeySeedFile())
+	if err != nil {
+		t.Fatal(err)
+	}
 	base := []nats.Option{nats.Timeout(5 * time.Second), nats.NoReconnect()}
 	for _, c := range []struct {
 		name string
@@ -155,6 +150,8 @@ func TestAuthFailures(t *testing.T) {
 		{"no credentials", up.URL(), nil},
 		{"wrong token", tok.URL(), []nats.Option{nats.Token("tok-124")}},
 		{"no token", tok.URL(), nil},
+		{"no nkey", nk.URL(), nil},
+		{"another nkey", nk.URL(), []nats.Option{otherSeed}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			nc, err := nats.Connect(c.url, append(c.opts, base...)...)
@@ -474,6 +471,9 @@ func TestOptionsValidate(t *testing.T) {
 		{Options{User: "u", Password: "p", Token: "t"}, false},
 		{Options{Token: "a\nb"}, false},
 		{Options{User: "u", Password: "$2a$11$abc"}, false},
+		{Options{Nkey: true, TLS: true}, true},
+		{Options{Nkey: true, Token: "t"}, false},
+		{Options{Nkey: true, User: "u", Password: "p"}, false},
 	} {
 		err := c.o.validate()
 		if (err == nil) != c.ok || (err != nil && !errors.Is(err, ErrOptions)) {

@@ -54,6 +54,24 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if .Values.sync.nats.servers }}true{{ end }}
 {{- end }}
 
+{{/* The Secret with the replicas' NATS credentials: the existing one, or the generated one. */}}
+{{- define "kvbandit.natsSecret" -}}
+{{- if eq .Values.sync.nats.auth "generated" }}{{ include "kvbandit.fullname" . }}-nats-auth{{ else }}{{ .Values.sync.nats.existingSecret }}{{ end }}
+{{- end }}
+
+{{/* The replicas' NATS subject prefix (routing/sync: kvbandit.<pool>, the pool's dots as _). */}}
+{{- define "kvbandit.natsSubject" -}}
+{{- if .Values.sync.nats.subjectPrefix }}{{ .Values.sync.nats.subjectPrefix }}
+{{- else if .Values.pool.standalone }}kvbandit.default
+{{- else }}kvbandit.{{ include "kvbandit.poolName" . | replace "." "_" }}
+{{- end }}
+{{- end }}
+
+{{/* How the replicas pass their NATS credentials: userPassword (generated too), token, creds or none. */}}
+{{- define "kvbandit.natsAuth" -}}
+{{- if eq .Values.sync.nats.auth "generated" }}userPassword{{ else }}{{ .Values.sync.nats.auth }}{{ end }}
+{{- end }}
+
 {{/* Leader election: on with more than one replica and no sync, or when forced. */}}
 {{- define "kvbandit.leaderElect" -}}
 {{- if or (and (gt (int .Values.replicas) 1) (not (include "kvbandit.sync" .))) .Values.leaderElection.enabled }}true{{ end }}
@@ -68,6 +86,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $nats := deepCopy (default (dict) (get $sync "nats")) }}
 {{- if eq $n.auth "creds" }}
 {{- $_ := set $nats "creds_file" "/etc/kvbandit/nats-creds/creds" }}
+{{- end }}
+{{- if eq $n.auth "none" }}
+{{- $_ := set $sync "allow_anonymous" true }}
 {{- end }}
 {{- if $n.tls.secretName }}
 {{- $tls := dict "ca" "/etc/kvbandit/nats-tls/ca.crt" }}
@@ -121,14 +142,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- fail "pool.create: the pool's endpointPickerRef is a local reference, so install the release in pool.namespace" }}
 {{- end }}
 {{- $n := .Values.sync.nats }}
-{{- if not (has $n.auth (list "" "userPassword" "token" "creds")) }}
-{{- fail "sync.nats.auth is \"\", userPassword, token or creds" }}
+{{- if not (has $n.auth (list "generated" "userPassword" "token" "creds" "none")) }}
+{{- fail "sync.nats.auth is generated, userPassword, token, creds or none" }}
 {{- end }}
-{{- if and (not $n.servers) (or $n.auth $n.existingSecret $n.tls.secretName $n.tls.mtls $n.subjectPrefix) }}
+{{- if and (not $n.servers) (or (not (has $n.auth (list "generated" "none"))) $n.existingSecret $n.tls.secretName $n.tls.mtls $n.subjectPrefix) }}
 {{- fail "sync.nats.* needs sync.nats.servers" }}
 {{- end }}
-{{- if ne (empty $n.auth) (empty $n.existingSecret) }}
-{{- fail "sync.nats.auth and sync.nats.existingSecret go together" }}
+{{- if ne (has $n.auth (list "generated" "none")) (empty $n.existingSecret) }}
+{{- fail "sync.nats.existingSecret goes with sync.nats.auth userPassword, token or creds (and only with them)" }}
+{{- end }}
+{{- if and (eq $n.auth "generated") (not (regexMatch "^[A-Za-z0-9_.-]{1,64}$" (toString $n.generatedUser))) }}
+{{- fail "sync.nats.generatedUser: 1 to 64 letters, digits, _ . -" }}
 {{- end }}
 {{- if and $n.tls.mtls (not $n.tls.secretName) }}
 {{- fail "sync.nats.tls.mtls needs sync.nats.tls.secretName (ca.crt, tls.crt, tls.key)" }}
