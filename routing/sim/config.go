@@ -111,6 +111,8 @@ type Config struct {
 	// "handoff" (its prefill leg ended), "land" (its KV transfer ended)
 	// and "first" (its first token reached the response path).
 	observe func(s *simulation, a *active, step string)
+	// rogue, when set (tests), is a forging peer of the replicas.
+	rogue *rogue
 	// Progress, when set, is called on Run's goroutine with the number of
 	// requests routed so far, every ProgressEvery arrivals and after the
 	// last one. It must return quickly.

@@ -55,7 +55,7 @@ func Run(ctx context.Context, cfg Config, reqs []Request) (*Result, error) {
 	}
 	s := &simulation{
 		ctx: ctx, vc: vc, reqs: reqs, log: log, syncDelay: cfg.SyncDelay, scrapeEvery: cfg.ScrapeInterval, progress: cfg.Progress,
-		transfer: cfg.Transfer.withDefaults(), observe: cfg.observe,
+		transfer: cfg.Transfer.withDefaults(), observe: cfg.observe, rogue: cfg.rogue, blockSize: rbs,
 		res: &Result{
 			Policy: cfg.Policy, Requests: make([]ReqResult, len(reqs)), Workers: make([]WorkerResult, len(wcs)),
 			Replicas: max(cfg.Replicas, 1), Entered: make([]int, max(cfg.Replicas, 1)),
@@ -139,8 +139,11 @@ type simulation struct {
 	progress func(arrived int)
 	// transfer is Config.Transfer with defaults.
 	transfer Transfer
-	// observe is Config.observe.
+	// observe is Config.observe, rogue Config.rogue.
 	observe func(s *simulation, a *active, step string)
+	rogue   *rogue
+	// blockSize is the engines' block size.
+	blockSize int
 }
 
 func (s *simulation) hook(w *worker, key routing.EndpointKey, events bool) {
@@ -302,6 +305,7 @@ func (s *simulation) loop(schedule []Change) error {
 
 // arrive routes request i and queues it on the chosen worker.
 func (s *simulation) arrive(i int) {
+	s.forge(i)
 	r := &s.reqs[i]
 	rr := &s.res.Requests[i]
 	rr.Worker, rr.Arrival, rr.PromptTokens = -1, r.Arrival, len(r.Tokens)
