@@ -298,9 +298,6 @@ type rogue struct {
 	// (when above From) it leaves and every replica forgets it
 	// (Engine.ForgetPeer, as routing/sync does for a peer gone silent).
 	From, Leave, Rounds, Fast int
-	// probe, when set, is called before every arrival, after the rogue's
-	// part.
-	probe func(s *simulation, i int)
 }
 
 const rogueID = "rogue"
@@ -308,9 +305,6 @@ const rogueID = "rogue"
 // forge runs the rogue's part before request i arrives.
 func (s *simulation) forge(i int) {
 	g := s.rogue
-	if g != nil && g.probe != nil {
-		defer g.probe(s, i)
-	}
 	switch {
 	case g == nil:
 	case i == g.From:

@@ -73,9 +73,9 @@ func TestRogueLeavesRoutingAsHonest(t *testing.T) {
 			reqs := synthetic(n, 16, 1024, 512, 12, seed)
 			cfg := Config{Workers: make([]WorkerConfig, 4), Policy: policy, KVEvents: true, Seed: 1,
 				Replicas: 4, Sync: SyncNATS, SyncDelay: 2 * time.Millisecond, ScrapeInterval: time.Second}
-			run := func(g *rogue) *Result {
+			run := func(g *rogue, probe func(*simulation, int)) *Result {
 				c := cfg
-				c.rogue = g
+				c.rogue, c.probe = g, probe
 				res, err := Run(t.Context(), c, reqs)
 				if err != nil {
 					t.Fatal(err)
@@ -86,9 +86,9 @@ func TestRogueLeavesRoutingAsHonest(t *testing.T) {
 				return res
 			}
 			var relLeft, relStayed [][]float64
-			honest := run(nil)
-			left := run(&rogue{From: from, Leave: leave, Rounds: 98, probe: relatives(n, &relLeft)})
-			stayed := run(&rogue{From: from, Rounds: 98, probe: relatives(n, &relStayed)})
+			honest := run(nil, nil)
+			left := run(&rogue{From: from, Leave: leave, Rounds: 98}, relatives(n, &relLeft))
+			stayed := run(&rogue{From: from, Rounds: 98}, relatives(n, &relStayed))
 			h, herd := shares(honest, 4, from, leave), shares(left, 4, from, leave)
 			ha, after, still := shares(honest, 4, settle, n), shares(left, 4, settle, n), shares(stayed, 4, settle, n)
 			t.Logf("%s seed %d: forged: honest %s, herded %s; later: honest %s, forgotten %s, never forgotten %s; factors at the end: forgotten %.2f, never forgotten %.2f",
