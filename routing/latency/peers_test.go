@@ -334,3 +334,6 @@ func TestConcurrentPeersAndForget(t *testing.T) {
 		t.Fatalf("%d peers still interned", m.sources.Len())
 	}
 }
+
+// setPeer marks o as peer's (BenchmarkReads).
+func setPeer(o *Observation, peer string) { o.Peer = peer }
