@@ -20,7 +20,10 @@
 // forgetting it.
 package evidence
 
-import "math"
+import (
+	"math"
+	"slices"
+)
 
 // Source is where evidence came from: [Local] or a peer replica interned
 // by [Sources]. A Source is never reused for another peer.
@@ -55,12 +58,32 @@ const (
 
 // Set is the evidence of this replica and its peers about one quantity.
 // Parts are stored divided by a common scale, so that discounting them
-// all costs one multiplication. The zero value is an empty set. A Set is
-// not safe for concurrent use: its owner's lock guards it.
+// all costs one multiplication; peers' parts are a slice sorted by
+// Source (a binary search finds one; a map costs about 350 bytes from its
+// first entry, the slice 32 bytes a part). The zero value is an empty
+// set. A Set is not safe for concurrent use: its owner's lock guards it.
 type Set struct {
 	scale float64 // 0: 1 (the zero value)
 	local Part
-	peers map[Source]Part
+	peers []peerPart
+}
+
+type peerPart struct {
+	src Source
+	Part
+}
+
+// find returns src's index in s.peers, or where it would go.
+func (s *Set) find(src Source) (int, bool) {
+	return slices.BinarySearchFunc(s.peers, src, func(p peerPart, src Source) int {
+		switch {
+		case p.src < src:
+			return -1
+		case p.src > src:
+			return 1
+		}
+		return 0
+	})
 }
 
 func (s *Set) norm() float64 {
@@ -96,19 +119,14 @@ func (s *Set) renormalise() {
 	s.scale = 1
 	s.local.W *= k
 	s.local.S *= k
-	var total float64
-	for src, p := range s.peers {
+	total := s.local.W
+	for i := range s.peers {
+		p := &s.peers[i]
 		p.W *= k
 		p.S *= k
-		s.peers[src] = p
 		total += p.W
 	}
-	total += s.local.W
-	for src, p := range s.peers {
-		if !(p.W > dropWeight*total) {
-			delete(s.peers, src)
-		}
-	}
+	s.peers = slices.DeleteFunc(s.peers, func(p peerPart) bool { return !(p.W > dropWeight*total) })
 }
 
 // Add adds weight w, weighted sum ws (w times the value) and n
@@ -121,21 +139,25 @@ func (s *Set) Add(src Source, w, ws float64, n int) {
 		s.local.N += n
 		return
 	}
-	if s.peers == nil {
-		s.peers = make(map[Source]Part, 1)
+	i, ok := s.find(src)
+	if !ok {
+		s.peers = slices.Insert(s.peers, i, peerPart{src: src})
 	}
-	p := s.peers[src]
+	p := &s.peers[i]
 	p.W += w / k
 	p.S += ws / k
 	p.N += n
-	s.peers[src] = p
 }
 
 // Part returns src's part (the zero Part when src taught nothing).
 func (s *Set) Part(src Source) Part {
 	p := s.local
 	if src != Local {
-		p = s.peers[src]
+		i, ok := s.find(src)
+		if !ok {
+			return Part{}
+		}
+		p = s.peers[i].Part
 	}
 	k := s.norm()
 	return Part{W: p.W * k, S: p.S * k, N: p.N}
@@ -160,11 +182,15 @@ func (s *Set) Remove(src Source) (p Part, ok bool) {
 	if src == Local {
 		return Part{}, false
 	}
-	q, ok := s.peers[src]
+	i, ok := s.find(src)
 	if !ok {
 		return Part{}, false
 	}
-	delete(s.peers, src)
+	q := s.peers[i].Part
+	s.peers = slices.Delete(s.peers, i, i+1)
+	if len(s.peers) == 0 {
+		s.peers = nil // no peer left: free the array
+	}
 	k := s.norm()
 	return Part{W: q.W * k, S: q.S * k, N: q.N}, true
 }
