@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"testing"
+
+	"github.com/kvbandit/kvbandit/routing"
 )
 
 // BenchmarkReads measures the Pick path's reads of a speed factor
@@ -26,7 +28,9 @@ func BenchmarkReads(b *testing.B) {
 			}
 			m.Observe(o)
 		}
+		// A candidate as an engine makes it: its rank holds the memo.
 		c := cand("a:1")
+		c.State.Live = &routing.Live{Ranks: []*routing.Rank{{}}}
 		m.Factor(c) // memoise the belief, as the first Pick does
 		b.Run(fmt.Sprintf("Factor/peers=%d", peers), func(b *testing.B) {
 			b.ReportAllocs()
