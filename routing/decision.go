@@ -188,8 +188,10 @@ func (d *Decision) Number() uint64 {
 // block key slice, shared: neither side may modify it. A tenant, prefix id
 // or model longer than [MaxRemoteString] is left out (a long tenant or
 // prefix id drops the session: the other replicas then give the session no
-// affinity, never someone else's). Share does not allocate; it is the zero
-// RemoteStart for a decision that was not committed.
+// affinity, never someone else's). A disaggregated decision's prefill
+// endpoint, rank and cached prompt tokens are in it too. Share does not
+// allocate; it is the zero RemoteStart for a decision that was not
+// committed.
 func (d *Decision) Share() RemoteStart {
 	if d.ticket == nil {
 		return RemoteStart{}
@@ -201,7 +203,9 @@ func (d *Decision) Share() RemoteStart {
 // decision's outcome o as the engine handed it to the policy (the engine's
 // OnDone hook receives it so). ok is false when the outcome teaches
 // nothing anywhere: it was served by an endpoint outside the set
-// (Outcome.ServedUnknown), or the decision was not committed.
+// (Outcome.ServedUnknown), or the decision was not committed. A
+// disaggregated decision's outcome has no TTFT: it was the prefill
+// endpoint's, and a RemoteOutcome names the decode endpoint only.
 func (d *Decision) ShareOutcome(o Outcome) (RemoteOutcome, bool) {
 	if d.ticket == nil {
 		return RemoteOutcome{}, false

@@ -73,6 +73,15 @@ type RemoteStart struct {
 	// Model is the request's model.
 	Model ModelName
 
+	// PrefillEndpoint and PrefillDPRank are a disaggregated decision's
+	// prefill endpoint and rank (routing/pd), "" for an aggregated one;
+	// PrefillCached is the prompt tokens that endpoint had cached. The
+	// prefill endpoint then carries the prompt's prefill until the first
+	// token, and Endpoint only its blocks ([Engine.StartRemote]).
+	PrefillEndpoint EndpointKey
+	PrefillDPRank   int
+	PrefillCached   int
+
 	// The request's session: the prefix id and tenant key the prefix
 	// state (routing/prefixstate keys them with NewKey, on every replica
 	// alike), and the hints the policies record with it. Empty PrefixID:
@@ -137,8 +146,10 @@ func (s *RemoteStart) Validate() error {
 		return fmt.Errorf("%w: overlap %d of %d blocks", ErrInvalidRemote, s.Overlap, len(s.Blocks))
 	case s.ExpectedDecodeBlocks < 0 || s.ExpectedDecodeBlocks > MaxRemoteTokens:
 		return fmt.Errorf("%w: %d expected decode blocks", ErrInvalidRemote, s.ExpectedDecodeBlocks)
-	case len(s.PrefixID) > MaxRemoteString || len(s.Tenant) > MaxRemoteString || len(s.Model) > MaxRemoteString:
-		return fmt.Errorf("%w: prefix id, tenant or model over %d bytes", ErrInvalidRemote, MaxRemoteString)
+	case len(s.PrefixID) > MaxRemoteString || len(s.Tenant) > MaxRemoteString || len(s.Model) > MaxRemoteString || len(s.PrefillEndpoint) > MaxRemoteString:
+		return fmt.Errorf("%w: prefix id, tenant, model or prefill endpoint over %d bytes", ErrInvalidRemote, MaxRemoteString)
+	case s.PrefillCached < 0 || s.PrefillCached > MaxRemoteTokens || (s.PrefillEndpoint == "" && (s.PrefillCached != 0 || s.PrefillDPRank > 0)):
+		return fmt.Errorf("%w: prefill cached tokens %d, rank %d (prefill endpoint %q)", ErrInvalidRemote, s.PrefillCached, s.PrefillDPRank, s.PrefillEndpoint)
 	case s.TotalRequests < 0 || s.OSLTokens < 0 || s.MaxTokens < 0 || s.OSL > LevelHigh || s.IAT > LevelHigh:
 		return fmt.Errorf("%w: session hints out of range", ErrInvalidRemote)
 	}

@@ -155,6 +155,9 @@ func (cm *commitment) Share(d *routing.Decision) routing.RemoteStart {
 	if len(r.model) <= routing.MaxRemoteString {
 		s.Model = r.model
 	}
+	if cm.pre != nil {
+		s.PrefillEndpoint, s.PrefillDPRank, s.PrefillCached = d.Prefill, d.PrefillRank, cm.pre.cached
+	}
 	if r.prefixID != "" && len(r.prefixID) <= routing.MaxRemoteString && len(r.tenant) <= routing.MaxRemoteString {
 		s.PrefixID, s.Tenant, s.TotalRequests = r.prefixID, r.tenant, r.totalRequests
 		s.OSL, s.OSLTokens, s.IAT, s.MaxTokens = r.osl, r.oslTokens, r.iat, r.maxTokens
@@ -184,6 +187,14 @@ func (cm *commitment) ShareOutcome(d *routing.Decision, o routing.Outcome) (ro r
 	ro = routing.RemoteOutcome{
 		Endpoint: d.Endpoint, DPRank: d.DPRank, Outcome: o,
 		BlockSize: sh.bs, ISL: sh.isl, Overlap: d.Overlap, QueuedPrefillTokens: sh.queued, OSL: sh.req.osl,
+	}
+	if cm.pre != nil {
+		// A disaggregated decision's first token came from its prefill
+		// endpoint, which an outcome cannot name (nor its queue and
+		// cache at the decision): shared as Endpoint's, it would teach
+		// peers Endpoint's speed from another endpoint's prefill. It is
+		// left out; the end-to-end latency, Endpoint's, stays.
+		ro.TTFT = 0
 	}
 	if o.Served == d.Endpoint {
 		ro.Served = ""

@@ -11,11 +11,15 @@ import (
 )
 
 // prefillHold is a disaggregated decision's load on its prefill endpoint:
-// one in-flight request and its prompt's prefill tokens and blocks, until
-// the first token or the end, whichever comes first.
+// one in-flight request (counted in inflight: the endpoint's Live.InFlight
+// for a local decision, RemoteInFlight for a peer's) and its prompt's
+// prefill tokens and blocks, until the first token or the end, whichever
+// comes first. cached is the prompt tokens the endpoint had cached
+// (Decision.Share passes it on).
 type prefillHold struct {
-	live     *routing.Live
+	inflight *atomic.Int64
 	entry    *slots.Entry
+	cached   int
 	released atomic.Bool
 }
 
@@ -25,7 +29,7 @@ func (h *prefillHold) release() {
 		return
 	}
 	h.entry.Free()
-	h.live.InFlight.Add(-1)
+	h.inflight.Add(-1)
 }
 
 // healthyByRole drops ejected endpoints (at now, unix nanos) from eps as
@@ -120,7 +124,7 @@ func (e *Engine) disaggregate(cm *commitment, c *routing.Candidate, p *pass, com
 	rs := p.preInfo[i].rank
 	pc.State.InFlight.Add(1)
 	pc.State.Decisions.Add(1)
-	cm.pre = &prefillHold{live: pc.State.Live, entry: rs.slot.Add(ks.keys, pre.ISL, pc.Overlap, ks.bs)}
+	cm.pre = &prefillHold{inflight: &pc.State.InFlight, entry: rs.slot.Add(ks.keys, pre.ISL, pc.Overlap, ks.bs), cached: min(pc.Overlap*ks.bs, pre.ISL)}
 	e.insertApprox(rs, ks.bs, ks.keys, pre.Now)
 	return state
 }

@@ -72,7 +72,13 @@
 // replacing the peer's set, the peer's TTL) or after Options.StaleAfter.
 // Outcomes travel the same way ([routing.Decision.ShareOutcome],
 // [Engine.LearnRemote]) to the policies that learn ([routing.RemoteLearner]);
-// endpoint health stays local. A disaggregated decision is shared by its
-// decode side only: peers do not see its prefill hold. Peers' decisions are bounded in number and
-// held block keys (Options.MaxRemoteDecisions, Options.RemoteBlockBudget).
+// endpoint health stays local. A disaggregated decision is shared with
+// both endpoints: a peer holds its prefill endpoint's prefill tokens (and
+// one RemoteInFlight there) until Prefilled or End, and its decode
+// endpoint's blocks without prefill tokens, as the deciding replica does;
+// its shared outcome has no time to first token (the prefill endpoint's).
+// A peer leaving ([Engine.ForgetPeer]) takes what its outcomes taught out
+// of the policies that keep it apart ([routing.PeerForgetter]). Peers'
+// decisions are bounded in number and held block keys
+// (Options.MaxRemoteDecisions, Options.RemoteBlockBudget).
 package engine

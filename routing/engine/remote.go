@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"sync/atomic"
+	"time"
 
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/slots"
@@ -24,10 +25,16 @@ type RemoteDecision struct {
 	Endpoint routing.EndpointKey
 	DPRank   int
 
+	// PrefillEndpoint and PrefillDPRank are where it prefills when the
+	// peer disaggregated it ("" otherwise).
+	PrefillEndpoint routing.EndpointKey
+	PrefillDPRank   int
+
 	e         *Engine
 	live      *routing.Live
 	blocks    int64 // block keys counted in Engine.remoteBlocks
 	entry     *slots.Entry
+	pre       *prefillHold // a disaggregated decision's hold on its prefill endpoint
 	timer     clock.Timer
 	prefilled atomic.Bool
 	ended     atomic.Bool
@@ -39,6 +46,13 @@ type RemoteDecision struct {
 // blocks into the approximate index when the rank's KV events are not
 // trusted (through the same path as a local decision), and lets a policy
 // that records session state at decision time ([RemoteStarter]) record it.
+//
+// A disaggregated decision (s.PrefillEndpoint set) is held as a local one
+// is (routing/engine's prefillHold): its prefill endpoint's rank carries
+// the prompt's uncached tokens (ISL − PrefillCached), one more
+// RemoteInFlight and, in the same block size, its blocks (inserted into
+// that rank's approximate index too), until Prefilled or End; the decode
+// endpoint carries the decision and its blocks, no prefill tokens.
 //
 // s is checked against the current endpoint set: an endpoint or rank not
 // in it gives ErrUnknownEndpoint, a value out of bounds ErrInvalidRemote,
@@ -62,6 +76,13 @@ func (e *Engine) StartRemote(s routing.RemoteStart) (*RemoteDecision, error) {
 	if err != nil {
 		return nil, err
 	}
+	var pst *endpoint
+	var prs *rankState
+	if s.PrefillEndpoint != "" {
+		if pst, prs, err = e.rankOf(s.PrefillEndpoint, s.PrefillDPRank); err != nil {
+			return nil, fmt.Errorf("prefill endpoint: %w", err)
+		}
+	}
 	n := int64(len(s.Blocks))
 	if open := e.remoteOpen.Add(1); open > int64(e.opts.MaxRemoteDecisions) {
 		e.remoteOpen.Add(-1)
@@ -76,16 +97,19 @@ func (e *Engine) StartRemote(s routing.RemoteStart) (*RemoteDecision, error) {
 	e.burst.Remote(now)
 	r := &RemoteDecision{Endpoint: st.Key, DPRank: s.DPRank, e: e, live: st.Live, blocks: n}
 	st.RemoteInFlight.Add(1)
-	keys := s.Blocks
-	if s.BlockSize != e.blockSize(st) {
-		keys = nil
+	isl := s.ISL
+	if pst != nil {
+		r.PrefillEndpoint, r.PrefillDPRank = pst.Key, s.PrefillDPRank
+		r.pre = e.remotePrefill(pst, prs, &s, now)
+		isl = 0 // the prefill endpoint prefills it
 	}
-	if !e.opts.DisableActiveBlocks || s.ISL > 0 {
+	keys := e.ownKeys(st, &s)
+	if !e.opts.DisableActiveBlocks || isl > 0 {
 		held := keys
 		if e.opts.DisableActiveBlocks {
 			held = nil
 		}
-		r.entry = rs.slot.Add(held, s.ISL, s.Overlap, s.BlockSize)
+		r.entry = rs.slot.Add(held, isl, s.Overlap, s.BlockSize)
 	}
 	e.insertApprox(rs, s.BlockSize, keys, now)
 	if p, ok := e.policy.(routing.RemoteStarter); ok && s.PrefixID != "" {
@@ -99,13 +123,41 @@ func (e *Engine) StartRemote(s routing.RemoteStart) (*RemoteDecision, error) {
 	return r, nil
 }
 
+// ownKeys is s's block keys when they are in st's key space (its block
+// size), else nil: another key space's keys are neither held nor indexed.
+func (e *Engine) ownKeys(st *endpoint, s *routing.RemoteStart) []uint64 {
+	if s.BlockSize != e.blockSize(st) {
+		return nil
+	}
+	return s.Blocks
+}
+
+// remotePrefill puts a peer's disaggregated decision's prefill load on
+// its prefill endpoint pst's rank prs, as disaggregate does for a local
+// one, and returns the hold.
+func (e *Engine) remotePrefill(pst *endpoint, prs *rankState, s *routing.RemoteStart, now time.Time) *prefillHold {
+	keys := e.ownKeys(pst, s)
+	pst.RemoteInFlight.Add(1)
+	h := &prefillHold{inflight: &pst.RemoteInFlight, cached: s.PrefillCached}
+	held := keys
+	if e.opts.DisableActiveBlocks {
+		held = nil
+	}
+	// The uncached prompt tokens, whatever the block size: the cached
+	// ones as one "block" of PrefillCached tokens.
+	h.entry = prs.slot.Add(held, s.ISL, 1, s.PrefillCached)
+	e.insertApprox(prs, s.BlockSize, keys, now)
+	return h
+}
+
 // Prefilled reports the remote decision's first token: its prompt tokens
-// stop counting as prefill load. Calls after the first, or after End, do
-// nothing.
+// stop counting as prefill load (a disaggregated decision's prefill
+// endpoint is released). Calls after the first, or after End, do nothing.
 func (r *RemoteDecision) Prefilled() {
 	if r == nil || r.ended.Load() || !r.prefilled.CompareAndSwap(false, true) {
 		return
 	}
+	r.pre.release()
 	r.entry.Prefilled()
 	if r.e.queue != nil {
 		r.e.queue.Wake()
@@ -122,6 +174,7 @@ func (r *RemoteDecision) End() bool {
 	if r.timer != nil {
 		r.timer.Stop()
 	}
+	r.pre.release()
 	r.entry.Free()
 	r.live.RemoteInFlight.Add(-1)
 	r.e.remoteBlocks.Add(-r.blocks)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/evidence"
 )
 
 // Config parameterises the model.
@@ -153,6 +154,9 @@ type Model struct {
 
 	speeds sync.Map // key → *belief
 	fleet  fleetMean
+	// sources interns the peers whose outcomes the factors learnt
+	// (Observation.Peer), at most evidence.MaxPeers at a time.
+	sources *evidence.Sources
 }
 
 type key struct {
@@ -165,7 +169,7 @@ func New(cfg Config) (*Model, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	m := &Model{cfg: cfg}
+	m := &Model{cfg: cfg, sources: evidence.NewSources(evidence.MaxPeers)}
 	p := prior
 	m.coef.Store(&p)
 	pt := p.ttft()
@@ -244,8 +248,11 @@ type Observation struct {
 	TTFT, Latency time.Duration
 	Output        int
 	// Remote marks a peer's outcome: Running and the scraped load are not
-	// known, so it teaches the endpoint's factor only.
+	// known, so it teaches the endpoint's factor only. Peer is the peer
+	// replica's id (routing.RemoteOutcome.Peer): what it teaches is kept
+	// apart from the rest, for ForgetPeer.
 	Remote bool
+	Peer   string
 	At     time.Time
 }
 
@@ -290,7 +297,16 @@ func (m *Model) Observe(o Observation) {
 	m.mu.Unlock()
 	lim := math.Log(m.cfg.MaxFactor)
 	rel := min(max(math.Log(y/pred), -lim), lim)
-	m.observeSpeed(k0, rel, o.At, o.Features.Running, !o.Remote)
+	if !o.Remote {
+		m.observeSpeed(k0, rel, o.At, o.Features.Running, evidence.Local)
+		return
+	}
+	if m.cfg.RemoteWeight == 0 {
+		return // peers teach nothing: do not intern them
+	}
+	m.sources.Use(o.Peer, m.forgetSource, func(src evidence.Source) {
+		m.observeSpeed(k0, rel, o.At, o.Features.Running, src)
+	})
 }
 
 // wls is an exponentially weighted least-squares fit with a ridge towards

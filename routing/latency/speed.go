@@ -9,13 +9,23 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/evidence"
 )
 
 // belief is one endpoint rank's factor posterior, replaced whole on each
-// update.
+// update (v: what Factor and Draw read, lock-free), and the evidence it
+// sums, kept apart by source (ev: this replica's outcomes with the prior,
+// and each peer's), so that a peer's can be taken out (ForgetPeer).
+//
+// v is updated by the single-posterior recursion itself, so that it is
+// bit for bit what it was before sources were kept apart (one replica's
+// routing is unchanged); ev is updated beside it, and v is rebuilt from
+// ev only when a part is removed. The two agree up to rounding
+// (TestSpeedPartsSumToPosterior).
 type belief struct {
-	mu sync.Mutex // writers only
+	mu sync.Mutex // writers only; guards ev
 	v  atomic.Pointer[posterior]
+	ev evidence.Set // precision W and precision-weighted log factor S
 }
 
 // posterior is a Normal belief over the log speed factor: mean m,
@@ -117,27 +127,25 @@ func (m *Model) Draw(c *routing.Candidate, rng *rand.Rand, mean bool) float64 {
 	return min(max(f, 1/m.cfg.MaxFactor), m.cfg.MaxFactor)
 }
 
-// observeSpeed folds one log ratio (measured over pooled prediction) into
-// the endpoint's factor.
-func (m *Model) observeSpeed(k key, rel float64, at time.Time, running float64, local bool) {
+// priorPrecision is the precision of an unseen endpoint's factor.
+func (m *Model) priorPrecision() float64 {
+	if m.cfg.PriorSigma > 0 {
+		return 1 / (m.cfg.PriorSigma * m.cfg.PriorSigma)
+	}
+	return 1e12 // PriorSigma 0: the prior is certain
+}
+
+// observeSpeed folds one log ratio (measured over pooled prediction) from
+// src into the endpoint's factor. Every part of the belief is discounted
+// as the posterior is (SpeedForget, or SpeedForget^RemoteWeight for a
+// peer's outcome) and src's part gains the outcome's precision.
+func (m *Model) observeSpeed(k key, rel float64, at time.Time, running float64, src evidence.Source) {
 	if math.IsNaN(rel) || math.IsInf(rel, 0) {
 		return
 	}
-	bi, _ := m.speeds.LoadOrStore(k, &belief{})
-	b := bi.(*belief)
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	prev := b.v.Load()
-	fresh := prev == nil
-	if fresh {
-		pp := 1e12 // PriorSigma 0: the prior is certain
-		if m.cfg.PriorSigma > 0 {
-			pp = 1 / (m.cfg.PriorSigma * m.cfg.PriorSigma)
-		}
-		prev = &posterior{p: pp, m: m.fleetPrior()}
-	}
+	local := src == evidence.Local
 	obs := 1 / (m.cfg.ObsSigma * m.cfg.ObsSigma)
-	kept := m.cfg.SpeedForget * prev.p
+	keep := m.cfg.SpeedForget
 	if !local {
 		// A peer's outcome counts as RemoteWeight local ones: that much
 		// evidence, that much forgetting.
@@ -146,8 +154,22 @@ func (m *Model) observeSpeed(k key, rel float64, at time.Time, running float64, 
 			return
 		}
 		obs *= w
-		kept = math.Pow(m.cfg.SpeedForget, w) * prev.p
+		keep = math.Pow(m.cfg.SpeedForget, w)
 	}
+	bi, _ := m.speeds.LoadOrStore(k, &belief{})
+	b := bi.(*belief)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	prev := b.v.Load()
+	fresh := prev == nil
+	if fresh {
+		prev = &posterior{p: m.priorPrecision(), m: m.fleetPrior()}
+		b.ev.Reset()
+		b.ev.Add(evidence.Local, prev.p, prev.p*prev.m, 0) // the prior is this replica's
+	}
+	kept := keep * prev.p
+	b.ev.Scale(keep)
+	b.ev.Add(src, obs, obs*rel, 1)
 	next := &posterior{p: kept + obs, n: prev.n + 1, seen: at, run: prev.run}
 	if local && running >= 0 && !math.IsInf(running, 0) {
 		if prev.n == 0 {
@@ -213,6 +235,59 @@ func (m *Model) Speeds() []Speed {
 		return a.DPRank - b.DPRank
 	})
 	return out
+}
+
+// ForgetPeer takes what peer's outcomes taught out of every endpoint's
+// factor (routing.PeerForgetter): each factor becomes the sum of its other
+// parts, this replica's own evidence with the prior and the other peers'.
+// What stays is what peer's outcomes made the other parts forget (they
+// discount every part, as any outcome does): when the parts left are less
+// certain than the prior, they are scaled up to its precision, their mean
+// kept, so that an endpoint a flood of forged outcomes made this replica
+// forget keeps what its own outcomes said with a fresh endpoint's
+// certainty, no wider. An endpoint only peer taught is unseen again. It is safe for
+// concurrent use with everything else; it blocks the learning of peers'
+// outcomes (not reads, nor local outcomes) while it runs, O(endpoints).
+func (m *Model) ForgetPeer(peer string) { m.sources.Forget(peer, m.forgetSource) }
+
+// forgetSource removes src's part from every belief.
+func (m *Model) forgetSource(src evidence.Source) {
+	m.speeds.Range(func(_, val any) bool {
+		m.forgetIn(val.(*belief), src)
+		return true
+	})
+}
+
+func (m *Model) forgetIn(b *belief, src evidence.Source) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	prev := b.v.Load()
+	if prev == nil {
+		return
+	}
+	if _, ok := b.ev.Remove(src); !ok {
+		return
+	}
+	if b.ev.Peers() == 0 && b.ev.Part(evidence.Local).N == 0 {
+		// Nothing left but the prior: unseen again.
+		b.ev.Reset()
+		b.v.Store(nil)
+		m.adjustFleet(-prev.m, -1)
+		return
+	}
+	tot := b.ev.Total()
+	if pp := m.priorPrecision(); !(tot.W >= pp) {
+		if tot.W > 0 {
+			b.ev.Scale(pp / tot.W) // the mean left, at the prior's certainty
+		} else {
+			b.ev.Reset() // nothing left at all (underflow): the prior
+			b.ev.Add(evidence.Local, pp, pp*m.fleetPrior(), 0)
+		}
+		tot = b.ev.Total()
+	}
+	next := &posterior{m: tot.Mean(), p: tot.W, n: tot.N, seen: prev.seen, run: prev.run}
+	b.v.Store(next)
+	m.adjustFleet(next.m-prev.m, 0)
 }
 
 // Forget drops the factors of endpoints not observed since before.

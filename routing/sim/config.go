@@ -116,6 +116,11 @@ type Config struct {
 	// "handoff" (its prefill leg ended), "land" (its KV transfer ended)
 	// and "first" (its first token reached the response path).
 	observe func(s *simulation, a *active, step string)
+	// rogue, when set (tests), is a forging peer of the replicas; probe,
+	// when set (tests), is called before request i arrives (after the
+	// rogue's part).
+	rogue *rogue
+	probe func(s *simulation, i int)
 	// Progress, when set, is called on Run's goroutine with the number of
 	// requests routed so far, every ProgressEvery arrivals and after the
 	// last one. It must return quickly.

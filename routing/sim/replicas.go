@@ -3,6 +3,7 @@ package sim
 import (
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing"
@@ -262,6 +263,7 @@ func (s *simulation) shareDone(from *replica, d *routing.Decision, o routing.Out
 	if !ok {
 		return
 	}
+	ro.Peer = replicaID(from.idx) // as routing/sync sets it from the message
 	s.publish(from, func() {
 		for _, p := range s.reps {
 			if p == from {
@@ -273,6 +275,9 @@ func (s *simulation) shareDone(from *replica, d *routing.Decision, o routing.Out
 		}
 	})
 }
+
+// replicaID is replica i's id as its peers know it (serve's --replica-id).
+func replicaID(i int) string { return "replica-" + strconv.Itoa(i) }
 
 func (s *simulation) syncError(from, to *replica, err error) {
 	s.res.SyncErrors++
@@ -287,5 +292,46 @@ func (s *simulation) flushSync() {
 	}
 	for _, r := range s.reps {
 		s.res.SyncOpen += len(r.remote)
+	}
+}
+
+// rogue is a test's forging peer: a replica id none of the run's replicas
+// has, whose outcomes every replica learns (as an authenticated peer's
+// would be) and which may leave.
+type rogue struct {
+	// At request From it sends Rounds forged outcomes per worker (a 1 µs
+	// TTFT on worker Fast, 4,000 s on the others); at request Leave
+	// (when above From) it leaves and every replica forgets it
+	// (Engine.ForgetPeer, as routing/sync does for a peer gone silent).
+	From, Leave, Rounds, Fast int
+}
+
+const rogueID = "rogue"
+
+// forge runs the rogue's part before request i arrives.
+func (s *simulation) forge(i int) {
+	g := s.rogue
+	switch {
+	case g == nil:
+	case i == g.From:
+		for range g.Rounds {
+			for w, k := range s.keys {
+				ttft := 4000 * time.Second
+				if w == g.Fast {
+					ttft = time.Microsecond
+				}
+				o := routing.RemoteOutcome{Endpoint: k, DPRank: -1, BlockSize: s.blockSize, ISL: 1024, Peer: rogueID,
+					Outcome: routing.Outcome{Kind: routing.OutcomeSuccess, TTFT: ttft, Latency: ttft, CompletionTokens: 1}}
+				for _, r := range s.reps {
+					if err := r.eng.LearnRemote(o); err != nil {
+						s.res.SyncErrors++
+					}
+				}
+			}
+		}
+	case i == g.Leave && g.Leave > g.From:
+		for _, r := range s.reps {
+			r.eng.ForgetPeer(rogueID)
+		}
 	}
 }

@@ -55,7 +55,7 @@ func Run(ctx context.Context, cfg Config, reqs []Request) (*Result, error) {
 	}
 	s := &simulation{
 		ctx: ctx, vc: vc, reqs: reqs, log: log, syncDelay: cfg.SyncDelay, scrapeEvery: cfg.ScrapeInterval, progress: cfg.Progress,
-		transfer: cfg.Transfer.withDefaults(), observe: cfg.observe,
+		transfer: cfg.Transfer.withDefaults(), observe: cfg.observe, rogue: cfg.rogue, probe: cfg.probe, blockSize: rbs,
 		res: &Result{
 			Policy: cfg.Policy, Requests: make([]ReqResult, len(reqs)), Workers: make([]WorkerResult, len(wcs)),
 			Replicas: max(cfg.Replicas, 1), Entered: make([]int, max(cfg.Replicas, 1)),
@@ -141,8 +141,12 @@ type simulation struct {
 	progress func(arrived int)
 	// transfer is Config.Transfer with defaults.
 	transfer Transfer
-	// observe is Config.observe.
+	// observe, rogue and probe are Config's.
 	observe func(s *simulation, a *active, step string)
+	rogue   *rogue
+	probe   func(s *simulation, i int)
+	// blockSize is the engines' block size.
+	blockSize int
 }
 
 func (s *simulation) hook(w *worker, key routing.EndpointKey, events bool) {
@@ -310,6 +314,10 @@ func (s *simulation) loop(schedule []Change) error {
 // in a burst across synced replicas, at its replica's turn
 // (routing/burst).
 func (s *simulation) arrive(i int) {
+	s.forge(i)
+	if s.probe != nil {
+		s.probe(s, i)
+	}
 	r := &s.reqs[i]
 	rr := &s.res.Requests[i]
 	rr.Worker, rr.Arrival, rr.PromptTokens = -1, r.Arrival, len(r.Tokens)

@@ -33,6 +33,14 @@
 // is a restarted peer: its old decisions end. A peer silent for PeerTTL
 // (3 s) is forgotten and its decisions end.
 //
+// A disaggregated decision's Start names its prefill endpoint, rank and
+// cached prompt tokens too (wire flags bit 1; see routing/sync/wire,
+// "Compatibility", for a rolling upgrade): the peer's engine holds its
+// prefill tokens on the prefill endpoint until the First, and only its
+// blocks on the decode endpoint, as the deciding replica does. Its
+// Outcome leaves the time to first token out: that time is the prefill
+// endpoint's, which an outcome cannot name.
+//
 // # KV events
 //
 // A worker that dials a router's bound KV-event socket (llm-d-inference-

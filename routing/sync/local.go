@@ -34,7 +34,8 @@ func (s *Syncer) OnDecision(_ *routing.Request, d *routing.Decision) {
 		ISL: u32(sh.ISL), Overlap: u32(sh.Overlap), ExpectedDecodeBlocks: u32(sh.ExpectedDecodeBlocks),
 		PrefixID: sh.PrefixID, Tenant: sh.Tenant, Model: string(sh.Model), TTL: u32ms(s.cfg.DecisionTTL),
 		TotalRequests: u32(sh.TotalRequests), OSL: uint8(sh.OSL), OSLTokens: u32(sh.OSLTokens), IAT: uint8(sh.IAT),
-		MaxTokens: u32(sh.MaxTokens),
+		MaxTokens:       u32(sh.MaxTokens),
+		PrefillEndpoint: string(sh.PrefillEndpoint), PrefillDPRank: i32(sh.PrefillDPRank), PrefillCached: u32(sh.PrefillCached),
 	}
 	if len(st.Blocks) > wire.MaxBlocks {
 		st.Blocks, st.Overlap = st.Blocks[:wire.MaxBlocks], min(st.Overlap, wire.MaxBlocks)
@@ -329,7 +330,11 @@ func (s *Syncer) snapshot() {
 
 // Size estimates (upper bounds) of encoded items.
 func startSize(st *wire.Start) int {
-	return 80 + len(st.Endpoint) + len(st.PrefixID) + len(st.Tenant) + len(st.Model) + 8*len(st.Blocks)
+	n := 80 + len(st.Endpoint) + len(st.PrefixID) + len(st.Tenant) + len(st.Model) + 8*len(st.Blocks)
+	if st.PrefillEndpoint != "" {
+		n += 16 + len(st.PrefillEndpoint) // its length, rank and cached tokens
+	}
+	return n
 }
 
 func outcomeSize(o *wire.Outcome) int {

@@ -229,6 +229,7 @@ func (s *Syncer) start(p *peer, st *wire.Start, now time.Time) {
 		Model: routing.ModelName(st.Model), PrefixID: st.PrefixID, Tenant: st.Tenant,
 		TotalRequests: int(st.TotalRequests), OSL: routing.Level(st.OSL), OSLTokens: int(st.OSLTokens),
 		IAT: routing.Level(st.IAT), MaxTokens: int(st.MaxTokens),
+		PrefillEndpoint: routing.EndpointKey(st.PrefillEndpoint), PrefillDPRank: int(st.PrefillDPRank), PrefillCached: int(st.PrefillCached),
 	}
 	if len(st.Blocks) > 0 {
 		// The decoded keys share one array per message: copy them, so

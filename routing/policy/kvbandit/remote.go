@@ -8,6 +8,7 @@ import (
 var (
 	_ routing.RemoteStarter = (*Policy)(nil)
 	_ routing.RemoteLearner = (*Policy)(nil)
+	_ routing.PeerForgetter = (*Policy)(nil)
 )
 
 // StartRemote implements [routing.RemoteStarter]: a peer replica's
@@ -39,14 +40,21 @@ func (p *Policy) StartRemote(req *routing.Request, s *routing.RemoteStart) {
 // the pooled fit; the factor's last-seen time is when this replica learnt
 // the outcome; and in a fleet mixing block sizes the uncached tokens are in
 // the chosen endpoint's block size where a local decision uses the
-// request's first one.
+// request's first one. What each peer (o.Peer) teaches is kept apart from
+// the rest, for ForgetPeer (routing/latency, "Peers").
 func (p *Policy) LearnRemote(o *routing.RemoteOutcome) {
 	if o.ServedUnknown || o.Kind != routing.OutcomeSuccess || o.TTFT <= 0 {
 		return
 	}
 	p.model.Observe(latency.Observation{
-		Endpoint: o.Endpoint, DPRank: o.DPRank, Remote: true, At: o.Received,
+		Endpoint: o.Endpoint, DPRank: o.DPRank, Remote: true, Peer: o.Peer, At: o.Received,
 		Features: latency.Features{Queued: o.QueuedPrefillTokens, Uncached: max(o.ISL-o.Overlap*max(o.BlockSize, 1), 0)},
 		TTFT:     o.TTFT,
 	})
 }
+
+// ForgetPeer implements [routing.PeerForgetter]: what peer's outcomes
+// taught the speed factors is taken out of them ([latency.Model.ForgetPeer]).
+// The sessions its decisions pinned (StartRemote) are not undone: they
+// expire as the prefix state's entries do.
+func (p *Policy) ForgetPeer(peer string) { p.model.ForgetPeer(peer) }

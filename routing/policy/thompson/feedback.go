@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/evidence"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
@@ -96,7 +97,7 @@ func (p *Policy) claim(rec *decision, fromTimer bool) bool {
 
 func (p *Policy) applyTimeout(rec *decision) {
 	r := clip01(p.cfg.Feedback.TimeoutReward)
-	rec.arm.ep.observe(r)
+	rec.arm.ep.observe(r, evidence.Local)
 	if rec.arm.update(&rec.x, r, p.cfg.LinTS.Lambda, p.cfg.LinTS.ForgetRate) {
 		p.eigenFallbacks.Add(1)
 	}
@@ -115,25 +116,26 @@ func (p *Policy) learn(rec *decision, o routing.Outcome) {
 		p.servedMismatch.Add(1)
 	}
 	p.feedback.Add(1)
-	p.reward(ep, a, &rec.x, endpoint, rec.rank, rec.osl, rec.bin, o)
+	p.reward(ep, a, &rec.x, endpoint, rec.rank, rec.osl, rec.bin, o, evidence.Local)
 }
 
-// reward applies a success or upstream error's reward to the endpoint's
-// Beta bandit and latency baselines (bucket osl, bin) and, when a is not
-// nil, to the LinTS arm a with the features x it was scored with.
-func (p *Policy) reward(ep *endpointState, a *arm, x *vec, endpoint routing.EndpointKey, rank, osl, bin int, o routing.Outcome) {
+// reward applies a success or upstream error's reward, learnt from src, to
+// the endpoint's Beta bandit and latency baselines (bucket osl, bin) and,
+// when a is not nil, to the LinTS arm a with the features x it was scored
+// with.
+func (p *Policy) reward(ep *endpointState, a *arm, x *vec, endpoint routing.EndpointKey, rank, osl, bin int, o routing.Outcome, src evidence.Source) {
 	metric := max(float64(o.Latency)/float64(time.Millisecond), 0)
 	perTok := o.CompletionTokens > 0
 	if perTok {
 		metric /= float64(o.CompletionTokens)
 	}
 	success := o.Kind == routing.OutcomeSuccess
-	baseline := p.baseline(ep, osl, bin, perTok, metric, success)
+	baseline := p.baseline(ep, osl, bin, perTok, metric, success, src)
 	var r float64
 	if success {
 		r = rewardFor(metric, baseline)
 	}
-	ep.observe(r)
+	ep.observe(r, src)
 	if a != nil && a.update(x, r, p.cfg.LinTS.Lambda, p.cfg.LinTS.ForgetRate) {
 		p.eigenFallbacks.Add(1)
 	}
@@ -153,8 +155,8 @@ func rewardFor(metric, baseline float64) float64 {
 // baseline returns the latency baseline for the bucket (endpoint, osl,
 // prefill bin, per_tok), falling back to the endpoint's, then the global
 // one, then max(1, metric), all read before this outcome. On success it then
-// moves all three averages toward metric.
-func (p *Policy) baseline(ep *endpointState, osl, bin int, perTok bool, metric float64, success bool) float64 {
+// moves all three averages toward metric, as src's.
+func (p *Policy) baseline(ep *endpointState, osl, bin int, perTok bool, metric float64, success bool, src evidence.Source) float64 {
 	i := 0
 	if perTok {
 		i = 1
@@ -175,9 +177,9 @@ func (p *Policy) baseline(ep *endpointState, osl, bin int, perTok bool, metric f
 	}
 	if success {
 		alpha := p.cfg.Feedback.LatencyEMAAlpha
-		bucket.add(metric, alpha)
-		overall.add(metric, alpha)
-		global.add(metric, alpha)
+		bucket.add(metric, alpha, src)
+		overall.add(metric, alpha, src)
+		global.add(metric, alpha, src)
 	}
 	return base
 }

@@ -38,6 +38,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/evidence"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
@@ -121,6 +122,10 @@ type Policy struct {
 	emaMu  sync.Mutex
 	global [2]ema // per_tok false, true
 
+	// sources interns the peers whose outcomes the Beta bandits and the
+	// baselines learnt (LearnRemote), for ForgetPeer.
+	sources *evidence.Sources
+
 	pending pendingSet
 	seq     atomic.Uint64
 
@@ -149,6 +154,7 @@ func New(cfg Config, deps Deps) (*Policy, error) {
 		onReward: deps.OnReward,
 		timeout:  time.Duration(cfg.Feedback.TimeoutSeconds * float64(time.Second)),
 		idle:     int64(cfg.IdleEndpointSeconds * float64(time.Second)),
+		sources:  evidence.NewSources(evidence.MaxPeers),
 	}
 	if p.log == nil {
 		p.log = slog.Default()
@@ -551,6 +557,11 @@ type endpointState struct {
 	mu         sync.Mutex // serialises Beta updates and the reward fields
 	rewards    uint64
 	lastReward float64
+	// betaEv is the Beta bandit's rewards by source (W: rewards, S: their
+	// sum), so that a peer's can be taken out: α = 1 + S, β = 1 + W − S.
+	// The published beta is updated by α += r, β += 1 − r itself and
+	// rebuilt from betaEv only when a peer is forgotten.
+	betaEv evidence.Set
 
 	// Guarded by Policy.emaMu.
 	bucket  [3][3][2]ema // osl level, prefill bin, per_tok
@@ -561,27 +572,65 @@ type betaParams struct{ alpha, beta float64 }
 
 var betaPrior = betaParams{1, 1}
 
+// ema is an exponentially weighted average, v, and its terms by source
+// (ev: W the weights, S the weighted values, summing to 1 and v): every
+// value discounts every part by 1 − alpha and adds alpha to its source's,
+// the first one weighs 1. v is updated by the recursion itself;
+// forget rebuilds it from what is left.
 type ema struct {
 	v  float64
 	ok bool
+	ev evidence.Set
 }
 
-func (e *ema) add(x, alpha float64) {
+func (e *ema) add(x, alpha float64, src evidence.Source) {
 	if !e.ok {
 		e.v, e.ok = x, true
+		e.ev.Reset()
+		e.ev.Add(src, 1, x, 1)
 		return
 	}
 	e.v = alpha*x + (1-alpha)*e.v
+	e.ev.Scale(1 - alpha)
+	e.ev.Add(src, alpha, alpha*x, 1)
 }
 
-// observe applies a reward to the Beta bandit: α += r, β += 1 − r.
-func (e *endpointState) observe(r float64) {
+// forget takes src's values out: the average becomes that of the other
+// sources' values, with their weights relative to each other kept
+// (renormalised to 1); with none left, it is unset.
+func (e *ema) forget(src evidence.Source) {
+	if _, ok := e.ev.Remove(src); !ok || !e.ok {
+		return
+	}
+	tot := e.ev.Total()
+	if !(tot.W > 0) {
+		*e = ema{}
+		return
+	}
+	e.ev.Scale(1 / tot.W)
+	e.v = tot.Mean()
+}
+
+// observe applies a reward from src to the Beta bandit: α += r, β += 1 − r.
+func (e *endpointState) observe(r float64, src evidence.Source) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	b := e.beta.Load()
 	e.beta.Store(&betaParams{b.alpha + r, b.beta + 1 - r})
+	e.betaEv.Add(src, 1, r, 1)
 	e.rewards++
 	e.lastReward = r
+}
+
+// forget takes src's rewards out of the Beta bandit.
+func (e *endpointState) forget(src evidence.Source) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if _, ok := e.betaEv.Remove(src); !ok {
+		return
+	}
+	tot := e.betaEv.Total()
+	e.beta.Store(&betaParams{betaPrior.alpha + tot.S, betaPrior.beta + tot.W - tot.S})
 }
 
 // learnedState is an immutable snapshot of the per-endpoint and

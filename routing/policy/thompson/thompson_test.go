@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/evidence"
 	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
@@ -321,7 +322,7 @@ func TestBaselineHierarchy(t *testing.T) {
 		{"B's endpoint level", b, 1, 1, true, 1, true, 0.2*1 + 0.8*5},
 	}
 	for _, st := range steps {
-		got := p.baseline(st.ep, st.osl, st.bin, st.perTok, st.metric, st.success)
+		got := p.baseline(st.ep, st.osl, st.bin, st.perTok, st.metric, st.success, evidence.Local)
 		near(t, st.name, got, st.wantBaseline, 1e-9)
 	}
 }

@@ -228,7 +228,12 @@ func (r *reader) str(what string, limit int) string {
 // messages (a pool, a replica, an endpoint, a tenant, a model) and
 // interns it when the reader has a Decoder.
 func (r *reader) interned(what string, limit int) string {
-	b := r.bytes(what, limit)
+	return r.intern(r.bytes(what, limit))
+}
+
+// intern returns b as a string, interned when the reader has a Decoder
+// ("" in the checking pass).
+func (r *reader) intern(b []byte) string {
 	if !r.fill || len(b) == 0 {
 		return ""
 	}
@@ -369,10 +374,22 @@ func (r *reader) start(s *Start) {
 	s.MaxTokens = r.u32("max tokens")
 	at = r.off
 	flags := r.byte1("start flags")
-	if flags&^flagPrefilled != 0 {
+	if flags&^(flagPrefilled|flagPrefill) != 0 {
 		r.fail(at, ErrMalformed, "unknown start flags %#x", flags)
 	}
 	s.Prefilled = flags&flagPrefilled != 0
+	if flags&flagPrefill == 0 || r.err != nil {
+		return
+	}
+	at = r.off
+	pe := r.bytes("prefill endpoint", MaxStringLen)
+	if r.err == nil && len(pe) == 0 {
+		// Canonical: the bit is set only with a prefill endpoint.
+		r.fail(at, ErrMalformed, "start flags announce an empty prefill endpoint")
+	}
+	s.PrefillEndpoint = r.intern(pe)
+	s.PrefillDPRank = r.i32("prefill dp rank")
+	s.PrefillCached = r.u32("prefill cached")
 }
 
 func (r *reader) outcome(o *Outcome) {

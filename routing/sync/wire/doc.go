@@ -70,7 +70,12 @@
 //	uvarint  osl tokens     uint32, output-length hint in tokens
 //	u8       iat            inter-arrival level (routing.Level)
 //	uvarint  max tokens     uint32, the request's max_tokens
-//	u8       flags          bit 0: prefilled; other bits must be 0
+//	u8       flags          bit 0: prefilled; bit 1: disaggregated (the
+//	                        three fields below follow); other bits must be 0
+//	str      prefill endpoint  bit 1 only: ≤ 512 bytes, not empty
+//	varint   prefill rank      bit 1 only: int32, -1 = none
+//	uvarint  prefill cached    bit 1 only: uint32, prompt tokens the
+//	                           prefill endpoint had cached
 //
 // Outcome (a batch item of kind 4):
 //
@@ -106,4 +111,22 @@
 //
 // Varints need not be minimal: a decoder accepts any encoding
 // encoding/binary accepts, and [Append] always writes the minimal one.
+//
+// # Compatibility
+//
+// A decoder refuses flag bits it does not know, and a message with one
+// is malformed as a whole. Bit 1 (a disaggregated start, issue 22) is set
+// only when a start has a prefill endpoint, so an aggregated start is
+// byte for byte what it was before, and replicas that predate bit 1
+// decode every message of a pool without prefill endpoints. In a rolling
+// upgrade of a pool that disaggregates, an old replica drops (as
+// malformed, counted in kvbandit_sync_dropped_total{reason="malformed"})
+// every batch and snapshot of an upgraded peer that holds a P/D start,
+// with that message's other items: it misses the upgraded peers'
+// disaggregated decisions, and an aggregated decision whose end or first
+// token travelled in such a batch stays applied on it until its TTL (the
+// start's, 5 minutes by default) or its peer's departure, since the
+// snapshots that would repair it hold P/D starts too. Upgraded replicas
+// read old ones' messages whole. Upgrade the pickers of a P/D pool
+// together, or expect that drift for the rollout's length.
 package wire

@@ -117,6 +117,9 @@ func appendStart(b []byte, s *Start) ([]byte, error) {
 	if err := checkStrings(s.Endpoint, s.PrefixID, s.Tenant, s.Model); err != nil {
 		return b, err
 	}
+	if err := checkLen("prefill endpoint", len(s.PrefillEndpoint), MaxStringLen); err != nil {
+		return b, err
+	}
 	b = binary.AppendUvarint(b, s.ID)
 	b = appendString(b, s.Endpoint)
 	b = binary.AppendVarint(b, int64(s.DPRank))
@@ -141,7 +144,15 @@ func appendStart(b []byte, s *Start) ([]byte, error) {
 	if s.Prefilled {
 		flags |= flagPrefilled
 	}
-	return append(b, flags), nil
+	if s.PrefillEndpoint == "" {
+		// Aggregated: the bit stays 0, so replicas that predate P/D
+		// starts (which refuse unknown bits) decode it.
+		return append(b, flags), nil
+	}
+	b = append(b, flags|flagPrefill)
+	b = appendString(b, s.PrefillEndpoint)
+	b = binary.AppendVarint(b, int64(s.PrefillDPRank))
+	return binary.AppendUvarint(b, uint64(s.PrefillCached)), nil
 }
 
 func appendOutcome(b []byte, o *Outcome) ([]byte, error) {
@@ -218,5 +229,8 @@ func checkSize(b []byte, start int) error {
 	return nil
 }
 
-// flagPrefilled is bit 0 of a Start's flags byte.
-const flagPrefilled = 1
+// A Start's flags: bit 0 prefilled, bit 1 a prefill endpoint follows.
+const (
+	flagPrefilled = 1
+	flagPrefill   = 2
+)

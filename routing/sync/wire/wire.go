@@ -205,6 +205,13 @@ type Start struct {
 	MaxTokens     uint32
 	// Prefilled says the first token came (the prefill is done).
 	Prefilled bool
+	// PrefillEndpoint is a disaggregated decision's prefill endpoint (≤
+	// MaxStringLen bytes; empty: aggregated), PrefillDPRank its rank (-1
+	// for none) and PrefillCached the prompt tokens it had cached. They
+	// are encoded only with a prefill endpoint (flags bit 1).
+	PrefillEndpoint string
+	PrefillDPRank   int32
+	PrefillCached   uint32
 }
 
 // Outcome is how one decision of the sender ended.

@@ -59,7 +59,19 @@ func validMessages() map[string]*wire.Message {
 	}
 	prefilled := fullStart(9, 4)
 	prefilled.Prefilled = true
+	// Disaggregated starts (flags bit 1): one prefilled, one extreme.
+	disagg := fullStart(10, 6)
+	disagg.PrefillEndpoint, disagg.PrefillDPRank, disagg.PrefillCached = "10.0.1.1:8000", -1, 512
+	disaggDone := disagg
+	disaggDone.ID, disaggDone.Prefilled, disaggDone.PrefillDPRank = 11, true, 2
+	disaggExtreme := extreme
+	disaggExtreme.PrefillEndpoint, disaggExtreme.PrefillDPRank, disaggExtreme.PrefillCached = "\xff", math.MinInt32, math.MaxUint32
 	return map[string]*wire.Message{
+		"batch-pd": {
+			Kind: wire.KindBatch, Pool: "default", Replica: "r-pd", Epoch: 12, Seq: 4,
+			Batch: []wire.Item{wire.StartItem(disagg), wire.StartItem(fullStart(12, 2)), wire.FirstItem(10), wire.StartItem(disaggDone), wire.StartItem(disaggExtreme)},
+		},
+		"snapshot-pd": {Kind: wire.KindSnapshot, Pool: "default", Replica: "r-pd", Epoch: 12, Seq: 5, Snapshot: []wire.Start{disagg, fullStart(13, 1), disaggDone}},
 		"batch": {
 			Kind: wire.KindBatch, Pool: "default", Replica: "kvbandit-7f9c-abc", Epoch: 0xdeadbeefcafef00d, Seq: 1,
 			Batch: []wire.Item{
@@ -261,8 +273,24 @@ func TestDecodeErrors(t *testing.T) {
 		{"ttl over uint32", start(func(b []byte) []byte { return append(binary.AppendUvarint(b, 1<<32), 0, 0, 0, 0, 0, 0) }), wire.ErrMalformed},
 		{"total requests over uint32", start(func(b []byte) []byte { return append(binary.AppendUvarint(append(b, 0), 1<<32), 0, 0, 0, 0, 0) }), wire.ErrMalformed},
 		{"max tokens over uint32", start(func(b []byte) []byte { return append(binary.AppendUvarint(append(b, 0, 0, 0, 0, 0), 1<<32), 0) }), wire.ErrMalformed},
-		{"unknown flag", start(func(b []byte) []byte { return append(b, 0, 0, 0, 0, 0, 0, 2) }), wire.ErrMalformed},
+		{"unknown flag", start(func(b []byte) []byte { return append(b, 0, 0, 0, 0, 0, 0, 4) }), wire.ErrMalformed},
+		{"unknown flag beside prefill", start(func(b []byte) []byte { return append(b, 0, 0, 0, 0, 0, 0, 6, 1, 'e', 1, 0) }), wire.ErrMalformed},
 		{"prefilled ok", start(func(b []byte) []byte { return append(b, 0, 0, 0, 0, 0, 0, 1) }), nil},
+		{"prefill ok", start(func(b []byte) []byte { return append(b, 0, 0, 0, 0, 0, 0, 3, 1, 'e', 1, 0) }), nil},
+		{"prefill flag, nothing after", start(func(b []byte) []byte { return append(b, 0, 0, 0, 0, 0, 0, 2) }), wire.ErrMalformed},
+		{"prefill flag, empty endpoint", start(func(b []byte) []byte { return append(b, 0, 0, 0, 0, 0, 0, 2, 0, 1, 0) }), wire.ErrMalformed},
+		{"prefill flag, empty endpoint in a long varint", start(func(b []byte) []byte { return append(b, 0, 0, 0, 0, 0, 0, 2, 0x80, 0, 1, 0) }), wire.ErrMalformed},
+		{"prefill endpoint past the end", start(func(b []byte) []byte { return append(b, 0, 0, 0, 0, 0, 0, 2, 9, 'e', 1, 0) }), wire.ErrMalformed},
+		{"prefill endpoint over the limit", start(func(b []byte) []byte {
+			return append(binary.AppendUvarint(append(b, 0, 0, 0, 0, 0, 0, 2), wire.MaxStringLen+1), str(wire.MaxStringLen+1)+"\x01\x00"...)
+		}), wire.ErrTooLarge},
+		{"prefill rank over int32", start(func(b []byte) []byte {
+			return append(binary.AppendVarint(append(b, 0, 0, 0, 0, 0, 0, 2, 1, 'e'), math.MaxInt32+1), 0)
+		}), wire.ErrMalformed},
+		{"prefill cached over uint32", start(func(b []byte) []byte {
+			return binary.AppendUvarint(append(b, 0, 0, 0, 0, 0, 0, 2, 1, 'e', 1), 1<<32)
+		}), wire.ErrMalformed},
+		{"trailing byte after prefill", start(func(b []byte) []byte { return append(b, 0, 0, 0, 0, 0, 0, 2, 1, 'e', 1, 0, 0) }), wire.ErrMalformed},
 		{"levels out of range decode", start(func(b []byte) []byte { return append(b, 0, 0, 255, 0, 255, 0, 0) }), nil},
 		{"outcome isl over uint32", binary.AppendUvarint(append(envelope(wire.KindBatch), 1, byte(wire.ItemOutcome), 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), 1<<32), wire.ErrMalformed},
 		{"dp rank over int32", binary.AppendVarint(append(envelope(wire.KindSnapshot), 1, 1, 0), math.MaxInt32+1), wire.ErrMalformed},
@@ -362,6 +390,7 @@ func TestEncodeLimits(t *testing.T) {
 		{"start prefix id", startWith(func(s *wire.Start) { s.PrefixID = str(wire.MaxStringLen) }), startWith(func(s *wire.Start) { s.PrefixID = str(wire.MaxStringLen + 1) })},
 		{"start tenant", startWith(func(s *wire.Start) { s.Tenant = str(wire.MaxStringLen) }), startWith(func(s *wire.Start) { s.Tenant = str(wire.MaxStringLen + 1) })},
 		{"start model", startWith(func(s *wire.Start) { s.Model = str(wire.MaxStringLen) }), startWith(func(s *wire.Start) { s.Model = str(wire.MaxStringLen + 1) })},
+		{"start prefill endpoint", startWith(func(s *wire.Start) { s.PrefillEndpoint = str(wire.MaxStringLen) }), startWith(func(s *wire.Start) { s.PrefillEndpoint = str(wire.MaxStringLen + 1) })},
 		{"start blocks", startWith(func(s *wire.Start) { s.Blocks = blocks(wire.MaxBlocks, 1) }), startWith(func(s *wire.Start) { s.Blocks = blocks(wire.MaxBlocks+1, 1) })},
 		{"snapshot start blocks", snapshotWith(func(s *wire.Start) { s.Blocks = blocks(wire.MaxBlocks, 1) }), snapshotWith(func(s *wire.Start) { s.Blocks = blocks(wire.MaxBlocks+1, 1) })},
 		{"snapshot start model", snapshotWith(func(s *wire.Start) { s.Model = str(wire.MaxStringLen) }), snapshotWith(func(s *wire.Start) { s.Model = str(wire.MaxStringLen + 1) })},
@@ -534,6 +563,31 @@ func TestDecodeLimits(t *testing.T) {
 		}
 		if !errors.Is(err, c.want) {
 			t.Errorf("%s: %v, want %v", c.name, err, c.want)
+		}
+	}
+}
+
+// TestAggregatedStartKeepsItsFormat: a start without a prefill endpoint
+// is the format before P/D starts, byte for byte (flags bit 1 clear,
+// nothing after the flags), so replicas that predate them decode it; a
+// disaggregated one is the same bytes with bit 1 set and the prefill
+// endpoint, rank and cached tokens after the flags.
+func TestAggregatedStartKeepsItsFormat(t *testing.T) {
+	for _, prefilled := range []bool{false, true} {
+		agg := fullStart(3, 2)
+		agg.Prefilled = prefilled
+		dis := agg
+		dis.PrefillEndpoint, dis.PrefillDPRank, dis.PrefillCached = "10.0.1.1:8000", 1, 300
+		a := encode(t, &wire.Message{Kind: wire.KindBatch, Batch: []wire.Item{wire.StartItem(agg)}})
+		d := encode(t, &wire.Message{Kind: wire.KindBatch, Batch: []wire.Item{wire.StartItem(dis)}})
+		flags := a[len(a)-1]
+		if flags&^1 != 0 || (flags == 1) != prefilled {
+			t.Fatalf("aggregated start's flags %#x (prefilled %v)", flags, prefilled)
+		}
+		tail := append([]byte{flags | 2, 13}, "10.0.1.1:8000"...)
+		tail = binary.AppendUvarint(binary.AppendVarint(tail, 1), 300)
+		if !bytes.Equal(d[:len(a)-1], a[:len(a)-1]) || !bytes.Equal(d[len(a)-1:], tail) {
+			t.Fatalf("disaggregated start:\n% x\nwant the aggregated one's bytes then\n% x", d, tail)
 		}
 	}
 }
