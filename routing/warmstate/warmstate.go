@@ -231,3 +231,24 @@ type Session struct {
 	// IdleMillis since it was last used.
 	PinAgeMillis, IdleMillis uint32
 }
+
+// Imported counts what an import took and what it left out (already known
+// here, for an endpoint not in the set, or out of range: a value out of
+// range is never applied).
+type Imported struct {
+	Latency            bool
+	Speeds, Arms       int
+	Betas, Sessions    int
+	Skipped, Malformed int
+}
+
+// Add adds o's counts to i.
+func (i *Imported) Add(o Imported) {
+	i.Latency = i.Latency || o.Latency
+	i.Speeds += o.Speeds
+	i.Arms += o.Arms
+	i.Betas += o.Betas
+	i.Sessions += o.Sessions
+	i.Skipped += o.Skipped
+	i.Malformed += o.Malformed
+}
