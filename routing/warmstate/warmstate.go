@@ -35,6 +35,9 @@ const (
 	FitDimDecode = 2
 	// ArmDim is the dimension of a thompson LinTS arm.
 	ArmDim = 9
+	// AnyRank, as the rank an importer's endpoint filter is asked about,
+	// asks whether the endpoint is in the set at all.
+	AnyRank = -2
 )
 
 // Media of a block run, as routing/kvindex numbers them.
