@@ -234,7 +234,9 @@ func emasOK(es []warmstate.EMA) bool {
 	return true
 }
 
-func appendF64(b []byte, v float64) []byte { return binary.LittleEndian.AppendUint64(b, math.Float64bits(v)) }
+func appendF64(b []byte, v float64) []byte {
+	return binary.LittleEndian.AppendUint64(b, math.Float64bits(v))
+}
 
 func appendF64s(b []byte, vs []float64) []byte {
 	for _, v := range vs {
