@@ -99,6 +99,8 @@ type Config struct {
 	// MaxKVQueueBytes bounds the KV-event payloads waiting to be
 	// republished (PublishKVEvents); past it messages are dropped.
 	MaxKVQueueBytes int
+	// Warm configures the warm start's exchange (warm.go).
+	Warm WarmConfig
 }
 
 // TLSConfig is the client side of TLS: a CA to trust (else the system
@@ -140,6 +142,9 @@ type Deps struct {
 	// here) is counted in kvbandit_sync_rejected_total. Nil: republished
 	// KV events are dropped (reason unsupported).
 	OnKVEvents func(endpoint string, seq uint64, payload []byte) error
+	// State exports this replica's state for a peer that starts (the
+	// warm start, warm.go); nil: peers' requests are refused.
+	State StateSource
 }
 
 func (c *Config) defaults() error {
@@ -203,7 +208,7 @@ func (c *Config) defaults() error {
 	if c.MaxKVQueueBytes <= 0 {
 		c.MaxKVQueueBytes = DefaultMaxKVQueueBytes
 	}
-	return nil
+	return c.Warm.defaults(c.HeartbeatInterval)
 }
 
 // subjectToken makes a pool name usable as one subject token.
@@ -257,6 +262,7 @@ type Syncer struct {
 	connected atomic.Bool
 	authLog   logLimiter
 	peerLines lineBudget
+	warm      *warm // the warm start's exchange (warm.go)
 	stop      chan struct{}
 	wg        stdsync.WaitGroup
 	started   bool
@@ -299,6 +305,10 @@ func New(cfg Config, deps Deps) (*Syncer, error) {
 	s.seen.max = 4 * cfg.MaxPeers
 	m, err := newMetrics(deps.Registry, s)
 	if err != nil {
+		return nil, err
+	}
+	s.warm = &warm{cfg: cfg.Warm, source: deps.State}
+	if err := s.warm.register(deps.Registry); err != nil {
 		return nil, err
 	}
 	s.m = m
@@ -344,6 +354,10 @@ func (s *Syncer) Start(e Engine) error {
 		return fmt.Errorf("sync: subscribe %s.*: %w", s.cfg.SubjectPrefix, err)
 	}
 	s.nc, s.sub = nc, sub
+	if err := s.startWarm(nc); err != nil {
+		nc.Close()
+		return err
+	}
 	// A round trip to the server (PING/PONG after the SUB) makes
 	// "connected" mean "hearing peers": before it, the server may not have
 	// registered the subscription, and what peers publish meanwhile is
@@ -511,6 +525,7 @@ func (s *Syncer) Close() error {
 		}
 		close(s.stop)
 		s.wg.Wait() // the flusher publishes the last batch before it returns
+		s.stopWarm()
 		closed := make(chan struct{})
 		s.nc.SetClosedHandler(func(*nats.Conn) { close(closed) })
 		if err := s.nc.Drain(); err != nil {
