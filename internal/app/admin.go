@@ -69,6 +69,7 @@ type adminState struct {
 	policy string
 	ep     *extproc.Server
 	sync   *rsync.Syncer // nil without --sync-nats
+	warm   *warmStart    // nil without --sync-nats (warm.go)
 	// health answers /healthz and /readyz (health.go).
 	health http.Handler
 }
@@ -132,10 +133,17 @@ func (st adminState) replicas(w http.ResponseWriter, _ *http.Request) {
 		_ = json.NewEncoder(w).Encode(map[string]any{"enabled": false, "peers": []any{}})
 		return
 	}
+	var warm *WarmReport
+	if st.warm != nil {
+		r := st.warm.Report()
+		warm = &r
+	}
 	_ = json.NewEncoder(w).Encode(struct {
 		Enabled bool `json:"enabled"`
 		rsync.Status
-	}{true, st.sync.Status()})
+		// WarmStart is what this replica took from a peer at start.
+		WarmStart *WarmReport `json:"warm_start,omitempty"`
+	}{true, st.sync.Status(), warm})
 }
 
 // healthServerOptions are the gRPC health server's options: TLS with

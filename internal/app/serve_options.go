@@ -87,6 +87,9 @@ type ServeOptions struct {
 	// random suffix).
 	SyncNATS  string
 	ReplicaID string
+	// SyncWarmStart, true by default: a starting replica takes a peer's
+	// state (sync.warm_start; false sets sync.warm_start.disabled).
+	SyncWarmStart bool
 	// DryRun (--dry-run) runs `kvbandit config check` on these options
 	// and exits instead of serving.
 	DryRun bool
@@ -147,6 +150,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.SyncNATS, "sync-nats", "", "active-active replicas: NATS URL[,URL...] shared by the replicas of the pool (in-flight decisions, outcomes); auth, TLS and intervals in the config's sync section; off when empty")
 	fs.BoolVar(&o.DryRun, "dry-run", false, "load and validate the config and flags, resolve tokenizers and discovery settings (nothing contacted), print the effective config, and exit (as kvbandit config check does)")
 	fs.StringVar(&o.ReplicaID, "replica-id", "", "this replica's id among the --sync-nats peers, unique in the pool (default: hostname-<6 random hex>)")
+	fs.BoolVar(&o.SyncWarmStart, "sync-warm-start", true, "with --sync-nats: at start, take a live peer's state (KV index with its trust and sequence, latency model, posteriors, sessions) and answer peers that start; false: neither (config sync.warm_start)")
 }
 
 // Validate checks the options.
@@ -285,6 +289,9 @@ func (o *ServeOptions) applyFlags(c *FileConfig) error {
 	}
 	if _, ok := o.set["tokenizer-timeout"]; ok {
 		c.Tokenizer.TimeoutSecs = o.TokenizerTimeout.Seconds()
+	}
+	if _, ok := o.set["sync-warm-start"]; ok {
+		c.Sync.WarmStart.Disabled = !o.SyncWarmStart
 	}
 	// The Dynamo-named knobs also parameterise the policies.
 	if _, ok := o.set["router-kv-overlap-score-weight"]; ok || r.KVOverlapScoreWeight != 1 {
