@@ -161,7 +161,10 @@ func (s *serving) startScraper() {
 		// A worker's GPU cache size lets its KV view regain trust as the
 		// cache turns over (routing/kvevents warm.go).
 		inner := publish
-		publish = func(t scrape.Target, smp scrape.Sample) { inner(t, smp); f.setCacheBlocks(routing.EndpointKey(t.Key), smp.NumGPUBlocks) }
+		publish = func(t scrape.Target, smp scrape.Sample) {
+			inner(t, smp)
+			f.setCacheBlocks(routing.EndpointKey(t.Key), smp.NumGPUBlocks)
+		}
 	}
 	sc := scrape.New(scrape.Config{Interval: s.o.ScrapeInterval, Timeout: s.o.ScrapeTimeout}, scrape.Deps{
 		Logger: log, Targets: scrape.EngineTargets(engine), Publish: publish,

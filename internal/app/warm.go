@@ -206,7 +206,7 @@ type WarmReport struct {
 	// stream started: trusted or untrusted (resumed at a peer's state),
 	// released (no state for it: its first message decides), behind (its
 	// stream stayed ahead of every state fetched: released).
-	Endpoints map[string]string   `json:"endpoints,omitempty"`
+	Endpoints map[string]string  `json:"endpoints,omitempty"`
 	Imported  warmstate.Imported `json:"imported"`
 	Blocks    int                `json:"blocks"`
 	Errors    map[string]string  `json:"errors,omitempty"`
