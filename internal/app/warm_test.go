@@ -175,3 +175,40 @@ func TestServeWarmStart(t *testing.T) {
 	waitMetrics(t, "C (no warm start) is untrusted and refuses the chain", c, 10*time.Second,
 		`kvbandit_kv_events_trusted{endpoint="127.0.0.1:8001"} 0`, `kind="unknown_parent"} 1`)
 }
+
+// TestSyncWarmConfig: sync.warm_start and router.kv_cache_blocks decode
+// strictly and are validated; --sync-warm-start=false disables it.
+func TestSyncWarmConfig(t *testing.T) {
+	c, err := ParseConfig([]byte("sync: {warm_start: {max_bytes: 1048576, timeout_ms: 800, ready_wait_ms: 300, attempts: 2, serve_every_ms: 50}}\nrouter: {kv_cache_blocks: 4096}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := c.Sync.WarmStart
+	if w.MaxBytes != 1<<20 || w.readyWait() != 300*time.Millisecond || w.attempts() != 2 || c.Router.KVCacheBlocks != 4096 {
+		t.Fatalf("decoded %+v, kv_cache_blocks %d", w, c.Router.KVCacheBlocks)
+	}
+	if sc := w.syncConfig(); sc.MaxBytes != 1<<20 || sc.Timeout != 800*time.Millisecond || sc.ServeEvery != 50*time.Millisecond || sc.Disabled {
+		t.Errorf("sync config %+v", sc)
+	}
+	var zero SyncWarmConfig
+	if zero.readyWait() != time.Second || zero.attempts() != 3 {
+		t.Errorf("defaults: ready wait %v, attempts %d", zero.readyWait(), zero.attempts())
+	}
+	for _, bad := range []string{
+		"sync: {warm_start: {max_bytes: -1}}",
+		"sync: {warm_start: {max_bytes: 8589934592}}",
+		"sync: {warm_start: {attempts: 11}}",
+		"sync: {warm_start: {timeout_ms: -5}}",
+		"sync: {warm_start: {nope: 1}}",
+		"router: {kv_cache_blocks: -1}",
+	} {
+		if _, err := ParseConfig([]byte(bad)); err == nil {
+			t.Errorf("%q: accepted", bad)
+		}
+	}
+	o := ServeOptions{set: map[string]string{"sync-warm-start": "false"}}
+	cfg := DefaultFileConfig()
+	if err := o.applyFlags(&cfg); err != nil || !cfg.Sync.WarmStart.Disabled {
+		t.Errorf("--sync-warm-start=false: disabled %v, %v", cfg.Sync.WarmStart.Disabled, err)
+	}
+}
