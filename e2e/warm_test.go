@@ -27,7 +27,8 @@ import (
 // view. Under load, one replica is stopped and started again: it
 // subscribes after the workers started, which without the warm start
 // leaves every view untrusted until each worker's cache has turned over
-// (4,096 blocks stored per worker, far beyond this test). With it, the
+// (65,536 blocks stored per worker, far beyond this test; the
+// cache is that large so that the probes' prompts are not evicted). With it, the
 // restarted replica takes a peer's state over NATS.
 
 const warmWorkers = 4
@@ -49,7 +50,7 @@ func startWarmFleet(t *testing.T) *warmFleet {
 	var recs []map[string]any
 	for range warmWorkers {
 		sw, err := simworker.New(simworker.Config{Addr: freeAddr(t), KVEventsAddr: "tcp://127.0.0.1:0", SpeedUp: 20,
-			Worker: simmodel.WorkerConfig{BlockSize: 16, KVBlocks: 4096}})
+			Worker: simmodel.WorkerConfig{BlockSize: 16, KVBlocks: 65536}})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -77,10 +78,37 @@ func startWarmFleet(t *testing.T) *warmFleet {
 		k, url := f.startReplica(t, i)
 		f.reps, f.proxies = append(f.reps, k), append(f.proxies, url)
 	}
+	// Every replica is connected to every worker's PUB before the first
+	// request, so that all see each worker's stream from its message 0.
 	for i := range f.reps {
-		f.waitTrusted(t, i, 15*time.Second)
+		f.waitConnected(t, i)
 	}
+	time.Sleep(300 * time.Millisecond) // the SUBSCRIBE reaches the PUB after the handshake
 	return f
+}
+
+// waitConnected waits until replica i has a ZMTP connection to every
+// worker's KV-event publisher.
+func (f *warmFleet) waitConnected(t *testing.T, i int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 15*time.Second)
+	defer cancel()
+	err := poll(ctx, func() (bool, string) {
+		ss, err := f.reps[i].scrape(ctx)
+		if err != nil {
+			return false, err.Error()
+		}
+		n := 0
+		for _, a := range f.addrs {
+			if metric(ss, "kvbandit_kv_events_connections", map[string]string{"endpoint": a}) >= 1 {
+				n++
+			}
+		}
+		return n == warmWorkers, fmt.Sprintf("replica %d connected to %d of %d workers", i, n, warmWorkers)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 }
 
 // startReplica starts replica i (its id replica-i), with extra flags.
@@ -157,17 +185,20 @@ func (f *warmFleet) post(ctx context.Context, url string, body []byte) (int, str
 }
 
 // load sends requests with prompts of their own through the replicas
-// alive (alive(i)), 4 at a time, until stop; it counts failures.
+// alive (alive(i)), 3 at a time, until stop; it counts failures, except
+// those of a request under way while a replica was taken down (down: a
+// counter the test moves before and after it stops a replica).
 type load struct {
 	sent, failed atomic.Int64
 	stop         chan struct{}
+	once         sync.Once
 	wg           sync.WaitGroup
 }
 
-func (f *warmFleet) startLoad(t *testing.T, alive func(int) bool) *load {
+func (f *warmFleet) startLoad(t *testing.T, alive func(int) bool, down *atomic.Int64) *load {
 	l := &load{stop: make(chan struct{})}
 	var next atomic.Uint32
-	for w := range 4 {
+	for w := range 3 {
 		l.wg.Add(1)
 		go func() {
 			defer l.wg.Done()
@@ -178,12 +209,13 @@ func (f *warmFleet) startLoad(t *testing.T, alive func(int) bool) *load {
 				default:
 				}
 				r := i % len(f.proxies)
+				gen := down.Load()
 				if !alive(r) {
 					continue
 				}
 				status, _, _, err := f.post(t.Context(), f.proxies[r]+"/v1/completions", tokenBody(seqIDs(1000+next.Add(1), 256), 8))
 				l.sent.Add(1)
-				if err != nil || status != http.StatusOK {
+				if (err != nil || status != http.StatusOK) && down.Load() == gen {
 					l.failed.Add(1)
 				}
 			}
@@ -192,19 +224,23 @@ func (f *warmFleet) startLoad(t *testing.T, alive func(int) bool) *load {
 	return l
 }
 
-func (l *load) end() { close(l.stop); l.wg.Wait() }
+func (l *load) end() {
+	l.once.Do(func() { close(l.stop) })
+	l.wg.Wait()
+}
 
 // TestWarmStartAfterRestart: the issue's goal. Under load, replica 1 is
-// stopped and started again; within 2 s of its start it trusts every
-// worker's KV view (kvbandit_kv_events_trusted 1 on all four), and its
-// /v1/route answers on a fixed set of probes match its two peers'. The
-// probes are decided by cache overlap, not by a random draw: each
+// stopped and started again; within 2 s of its start (its exec) it trusts
+// every worker's KV view (kvbandit_kv_events_trusted 1 on all four), and,
+// once the load's requests are done, its /v1/route answers on a fixed set
+// of probes match its two peers' (under load an answer also weighs the
+// queue ahead at the instant each replica is asked). The probes are
+// decided by cache overlap, not by a random draw: each
 // extends a 1,024-token prompt (64 blocks) that only one worker caches,
-// which costs the others 64 blocks of prefill and ρ = 8 times that in
-// recompute, far more than the load's few hundred queued tokens or a
-// speed factor's Thompson draw (σ 0.15) can outweigh; a replica that does
-// not see the cached blocks (an empty or untrusted view) answers from
-// load and draws alone. The control: the same restart with
+// which costs the others 64 blocks of prefill, more than a speed factor's
+// Thompson draw (σ 0.15) can outweigh; the answer must name that worker
+// with those 64 blocks cached, which a replica that does not see them (an
+// empty or untrusted view) cannot give. The control: the same restart with
 // --sync-warm-start=false leaves the views untrusted for as long as it is
 // watched (2 s).
 func TestWarmStartAfterRestart(t *testing.T) {
@@ -224,6 +260,9 @@ func TestWarmStartAfterRestart(t *testing.T) {
 			t.Fatalf("seed %d: %d %v %s", i, status, err, body)
 		}
 		probes = append(probes, probe{tokenBody(append(ids, seqIDs(uint32(90+i), 32)...), 4), served})
+	}
+	for i := range f.reps {
+		f.waitTrusted(t, i, 15*time.Second)
 	}
 	// Every replica's index holds the seeds (their workers' events).
 	route := func(ctx context.Context, url string, p probe) (string, error) {
@@ -266,43 +305,60 @@ func TestWarmStartAfterRestart(t *testing.T) {
 	cancel()
 
 	var down atomic.Int32
+	var changes atomic.Int64 // moved around every stop and start
+	setDown := func(i int32) { changes.Add(1); down.Store(i); changes.Add(1) }
 	down.Store(-1)
-	l := f.startLoad(t, func(i int) bool { return int(down.Load()) != i })
+	l := f.startLoad(t, func(i int) bool { return int(down.Load()) != i }, &changes)
 	defer l.end()
 	time.Sleep(time.Second) // the load runs; the workers publish
 
 	// Stop replica 1 and start it again, under load.
-	down.Store(1)
+	setDown(1)
 	f.reps[1].terminate(t)
 	f.reps[1].waitExit(t, 30*time.Second)
+	// Watch the restarted replica's metrics from its exec on: the
+	// harness's readiness wait (gRPC health, whose client backs off a
+	// second after a refused connection) says when the harness saw it
+	// ready, not when it was. The last --metrics-addr wins.
+	metricsAddr := freeAddr(t)
+	watch := &kvb{metricsAddr: metricsAddr}
+	trustedAt := make(chan time.Duration, 1)
 	start := time.Now()
-	f.reps[1], f.proxies[1] = f.startReplica(t, 1)
-	down.Store(-1)
+	go func() {
+		wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		_ = poll(wctx, func() (bool, string) {
+			n, err := f.trusted(wctx, watch)
+			return err == nil && n == warmWorkers, ""
+		})
+		trustedAt <- time.Since(start)
+	}()
+	f.reps[1], f.proxies[1] = f.startReplica(t, 1, "--metrics-addr", metricsAddr)
+	f.reps[1].metricsAddr = metricsAddr
+	setDown(-1)
 	ready := time.Since(start)
-	tctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	if err := poll(tctx, func() (bool, string) {
-		n, err := f.trusted(tctx, f.reps[1])
-		if err != nil {
-			return false, err.Error()
-		}
-		return n == warmWorkers, fmt.Sprintf("%d of %d trusted", n, warmWorkers)
-	}); err != nil {
-		t.Fatalf("the restarted replica: %v\n%s", err, f.reps[1].out)
+	trustedAfter := <-trustedAt
+	if n, err := f.trusted(ctx, f.reps[1]); err != nil || n != warmWorkers {
+		t.Fatalf("the restarted replica trusts %d of %d workers (%v)\n%s", n, warmWorkers, err, f.reps[1].out)
 	}
-	trustedAfter := time.Since(start)
-	t.Logf("restarted replica: ready %v after its start, every worker trusted %v after it", ready.Round(time.Millisecond), trustedAfter.Round(time.Millisecond))
+	ss, err := f.reps[1].scrape(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("restarted replica: every worker trusted %v after its exec (the harness saw it ready after %v); its warm start took %.0f ms",
+		trustedAfter.Round(time.Millisecond), ready.Round(time.Millisecond), 1000*metric(ss, "kvbandit_sync_warm_start_seconds", nil))
 	if trustedAfter > 2*time.Second {
 		t.Errorf("every worker trusted %v after the restart, goal 2 s", trustedAfter)
 	}
-	if ok, why := agree(ctx, []int{1, 0, 2}); !ok {
-		t.Errorf("after the restart, under load: %s", why)
-	}
 	var st struct {
 		WarmStart struct {
-			State     string            `json:"state"`
-			Peer      string            `json:"peer"`
-			Endpoints map[string]string `json:"endpoints"`
+			State         string            `json:"state"`
+			Peer          string            `json:"peer"`
+			Endpoints     map[string]string `json:"endpoints"`
+			Bytes         int               `json:"bytes"`
+			Blocks        int               `json:"blocks"`
+			FetchSeconds  float64           `json:"fetch_seconds"`
+			ResumeSeconds float64           `json:"resume_seconds"`
 		} `json:"warm_start"`
 	}
 	if err := f.reps[1].getJSON(ctx, "/debug/replicas", &st); err != nil {
@@ -311,21 +367,39 @@ func TestWarmStartAfterRestart(t *testing.T) {
 	if st.WarmStart.State != "done" || st.WarmStart.Peer == "" || len(st.WarmStart.Endpoints) != warmWorkers {
 		t.Errorf("/debug/replicas warm_start: %+v", st.WarmStart)
 	}
+	t.Logf("warm start: %d bytes, %d blocks from %s; fetch %.0f ms, import and resume %.0f ms", st.WarmStart.Bytes, st.WarmStart.Blocks,
+		st.WarmStart.Peer, 1000*st.WarmStart.FetchSeconds, 1000*st.WarmStart.ResumeSeconds)
+	// The probes, once the load's requests are done: under load a
+	// probe's answer weighs its cached prefill against the queue ahead at
+	// that instant, which each replica reads a few milliseconds apart.
+	l.end()
+	t.Logf("load: %d requests, %d failed", l.sent.Load(), l.failed.Load())
 	if n := l.failed.Load(); n > 0 {
 		t.Errorf("%d of %d load requests failed", n, l.sent.Load())
 	}
+	for _, k := range f.reps {
+		k.waitReleased(t)
+	}
+	if ok, why := agree(ctx, []int{1, 0, 2}); !ok {
+		t.Errorf("after the restart: %s", why)
+	}
 
-	// The control: a restart without the warm start stays untrusted.
-	down.Store(2)
+	// The control: a restart without the warm start, under load again,
+	// stays untrusted (it has seen the workers' messages: a late start).
+	l2 := f.startLoad(t, func(i int) bool { return int(down.Load()) != i }, &changes)
+	defer l2.end()
+	setDown(2)
 	f.reps[2].terminate(t)
 	f.reps[2].waitExit(t, 30*time.Second)
 	f.reps[2], f.proxies[2] = f.startReplica(t, 2, "--sync-warm-start=false")
-	down.Store(-1)
+	setDown(-1)
 	time.Sleep(2 * time.Second)
-	if n, err := f.trusted(ctx, f.reps[2]); err != nil || n != 0 {
-		t.Errorf("without the warm start the restarted replica trusts %d workers (%v), want 0: the test could not tell", n, err)
+	ss, err = f.reps[2].scrape(ctx)
+	if err != nil {
+		t.Fatal(err)
 	}
-	l.end()
-	l.stop = make(chan struct{}) // the deferred end is a no-op now
-	t.Logf("load: %d requests, %d failed", l.sent.Load(), l.failed.Load())
+	resyncs := metric(ss, "kvbandit_kv_events_total", map[string]string{"kind": "resyncs"})
+	if n, err := f.trusted(ctx, f.reps[2]); err != nil || n != 0 || resyncs == 0 {
+		t.Errorf("without the warm start the restarted replica trusts %d workers (%v) after %v resyncs, want 0 after a late start: the test could not tell", n, err, resyncs)
+	}
 }

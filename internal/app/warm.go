@@ -200,8 +200,12 @@ type WarmReport struct {
 	Bytes   int      `json:"bytes"`
 	Chunks  int      `json:"chunks"`
 	Fetches int      `json:"fetches"`
-	// Seconds is how long it took from the start of serve.
-	Seconds float64 `json:"seconds"`
+	// Seconds is how long it took from the start of serve's sync;
+	// FetchSeconds the first fetch (waiting to hear a peer included),
+	// ResumeSeconds the import of the KV index and the streams' resume.
+	Seconds       float64 `json:"seconds"`
+	FetchSeconds  float64 `json:"fetch_seconds"`
+	ResumeSeconds float64 `json:"resume_seconds"`
 	// Endpoints is, per endpoint with a KV-event subscriber, how its
 	// stream started: trusted or untrusted (resumed at a peer's state),
 	// released (no state for it: its first message decides), behind (its
@@ -335,8 +339,13 @@ func (w *warmStart) run(ctx context.Context) {
 	imported := w.engine.ImportState(snap)
 	w.mu.Lock()
 	w.report.Imported, w.report.Blocks = imported, snap.BlockCount()
+	w.report.FetchSeconds = info.Took.Seconds()
 	w.mu.Unlock()
+	t0 := time.Now()
 	behind := w.resume(ctx, snap, w.heldEndpoints())
+	w.mu.Lock()
+	w.report.ResumeSeconds = time.Since(t0).Seconds()
+	w.mu.Unlock()
 	for attempt := 1; len(behind) > 0 && attempt < w.cfg.attempts() && ctx.Err() == nil; attempt++ {
 		time.Sleep(warmRefetchDelay)
 		w.m.refetches.Inc()
@@ -378,41 +387,59 @@ func (w *warmStart) fetched(info rsync.FetchInfo) {
 }
 
 // resume resumes each endpoint of eps at snap's stream for it (releasing
-// those snap has none for) and returns those whose stream is ahead.
-func (w *warmStart) resume(ctx context.Context, snap *warmstate.Snapshot, eps []routing.EndpointKey) (behind []routing.EndpointKey) {
+// those snap has none for), all at once (each on its own subscriber's
+// goroutine), and returns those whose stream is ahead.
+func (w *warmStart) resume(ctx context.Context, snap *warmstate.Snapshot, eps []routing.EndpointKey) []routing.EndpointKey {
 	streams := make(map[string]warmstate.Stream, len(snap.Streams))
 	for _, st := range snap.Streams {
 		streams[st.Endpoint] = st
 	}
+	var mu sync.Mutex
+	var behind []routing.EndpointKey
+	var wg sync.WaitGroup
 	for _, k := range eps {
 		sub := w.fleet.sub(k)
 		if sub == nil {
 			continue
 		}
-		st, ok := streams[string(k)]
-		if !ok || !st.Started {
-			w.setEndpoint(k, "released", sub.Release(ctx))
-			continue
-		}
-		runs := snap.RunsOf(string(k))
-		err := sub.Resume(ctx, kvevents.Resume{
-			StreamState: kvevents.StreamState{Started: true, Trusted: st.Trusted, Seq: st.Seq},
-			Restore:     func() error { return w.engine.ImportKV(k, runs) },
-		})
-		switch {
-		case errors.Is(err, kvevents.ErrBehind):
-			behind = append(behind, k)
-		case err != nil:
-			w.setEndpoint(k, "released", err)
-		default:
-			state := "untrusted"
-			if sub.Stats().Trusted {
-				state = "trusted"
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if w.resumeOne(ctx, sub, k, streams[string(k)], snap.RunsOf(string(k))) {
+				mu.Lock()
+				behind = append(behind, k)
+				mu.Unlock()
 			}
-			w.setEndpoint(k, state, nil)
-		}
+		}()
 	}
+	wg.Wait()
 	return behind
+}
+
+// resumeOne resumes one endpoint's stream at st, importing runs; it
+// reports whether the stream is ahead of st.
+func (w *warmStart) resumeOne(ctx context.Context, sub *kvevents.Sub, k routing.EndpointKey, st warmstate.Stream, runs []warmstate.Blocks) bool {
+	if st.Endpoint == "" || !st.Started {
+		w.setEndpoint(k, "released", sub.Release(ctx))
+		return false
+	}
+	err := sub.Resume(ctx, kvevents.Resume{
+		StreamState: kvevents.StreamState{Started: true, Trusted: st.Trusted, Seq: st.Seq},
+		Restore:     func() error { return w.engine.ImportKV(k, runs) },
+	})
+	switch {
+	case errors.Is(err, kvevents.ErrBehind):
+		return true
+	case err != nil:
+		w.setEndpoint(k, "released", err)
+	default:
+		state := "untrusted"
+		if sub.Stats().Trusted {
+			state = "trusted"
+		}
+		w.setEndpoint(k, state, nil)
+	}
+	return false
 }
 
 // releaseBehind starts the streams still ahead of every state fetched as
@@ -479,7 +506,9 @@ func (w *warmStart) finish(state string, err error) {
 	w.log.Info("warm start: routing with a peer's state", "peer", r.Peer, "bytes", r.Bytes, "chunks", r.Chunks, "fetches", r.Fetches,
 		"endpoints", r.Endpoints, "blocks", r.Blocks, "sessions", im.Sessions, "speed_factors", im.Speeds, "latency_fit", im.Latency,
 		"arms", im.Arms, "betas", im.Betas, "skipped", im.Skipped, "malformed", im.Malformed,
-		"took", time.Duration(r.Seconds*float64(time.Second)).Round(time.Millisecond))
+		"took", time.Duration(r.Seconds*float64(time.Second)).Round(time.Millisecond),
+		"fetch", time.Duration(r.FetchSeconds*float64(time.Second)).Round(time.Millisecond),
+		"resume", time.Duration(r.ResumeSeconds*float64(time.Second)).Round(time.Millisecond))
 }
 
 // resumeGap is the subscribers' OnResumeGap: the first message after a

@@ -133,3 +133,22 @@ func TestExportWorkerBounded(t *testing.T) {
 		t.Fatalf("export at the bound: complete %v", complete)
 	}
 }
+
+// BenchmarkImportWorker imports one worker's 8,192 GPU blocks (the e2e
+// warm start's size per worker): per block one engine-map insert and
+// one shard store.
+func BenchmarkImportWorker(b *testing.B) {
+	ix, _ := newTestIndex(b, Options{})
+	w := ix.Worker("w", 0)
+	run := warmstate.Blocks{BlockSize: 16, Factor: 1}
+	for i := range 8192 {
+		run.Blocks = append(run.Blocks, warmstate.Block{Hash: uint64(i) + 1, Key: uint64(i)*0x9e3779b97f4a7c15 + 7})
+	}
+	runs := []warmstate.Blocks{run}
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := ix.ImportWorker(w, runs); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
