@@ -31,7 +31,12 @@ import (
 // cache is that large so that the probes' prompts are not evicted). With it, the
 // restarted replica takes a peer's state over NATS.
 
-const warmWorkers = 4
+const (
+	warmWorkers = 4
+	// probeTokens is the cached prompt each probe extends (see
+	// TestWarmStartAfterRestart).
+	probeTokens = 16384
+)
 
 // warmFleet is the suite's deployment.
 type warmFleet struct {
@@ -83,7 +88,7 @@ func startWarmFleet(t *testing.T) *warmFleet {
 	for i := range f.reps {
 		f.waitConnected(t, i)
 	}
-	time.Sleep(300 * time.Millisecond) // the SUBSCRIBE reaches the PUB after the handshake
+	time.Sleep(time.Second) // the SUBSCRIBE reaches the PUB after the handshake
 	return f
 }
 
@@ -213,7 +218,7 @@ func (f *warmFleet) startLoad(t *testing.T, alive func(int) bool, down *atomic.I
 				if !alive(r) {
 					continue
 				}
-				status, _, _, err := f.post(t.Context(), f.proxies[r]+"/v1/completions", tokenBody(seqIDs(1000+next.Add(1), 256), 8))
+				status, _, _, err := f.post(t.Context(), f.proxies[r]+"/v1/completions", tokenBody(seqIDs(1000+next.Add(1), 128), 8))
 				l.sent.Add(1)
 				if (err != nil || status != http.StatusOK) && down.Load() == gen {
 					l.failed.Add(1)
@@ -235,12 +240,17 @@ func (l *load) end() {
 // once the load's requests are done, its /v1/route answers on a fixed set
 // of probes match its two peers' (under load an answer also weighs the
 // queue ahead at the instant each replica is asked). The probes are
-// decided by cache overlap, not by a random draw: each
-// extends a 1,024-token prompt (64 blocks) that only one worker caches,
-// which costs the others 64 blocks of prefill, more than a speed factor's
-// Thompson draw (σ 0.15) can outweigh; the answer must name that worker
-// with those 64 blocks cached, which a replica that does not see them (an
-// empty or untrusted view) cannot give. The control: the same restart with
+// decided by cache overlap, not by a random draw: each extends a
+// 16,384-token prompt (1,024 blocks) that only one worker caches. The
+// latency model prices a prompt by its uncached tokens in steps of the
+// workers' 8,192-token batch: the caching worker's 32 uncached tokens are
+// one step, the others' 16,416 three steps and two batches' worth, about
+// 8 times as long with the fit these workers teach (some 38 ms a batch,
+// 15 ms a step), far more than a speed factor's Thompson draw (σ ≤ 0.15)
+// can outweigh. (A 1,024-token prompt is not enough: its 64 blocks are an
+// eighth of a batch, within one step, and the draws decide.) The answer
+// must name that worker with those 1,024 blocks cached, which a replica
+// that does not see them (an empty or untrusted view) cannot give. The control: the same restart with
 // --sync-warm-start=false leaves the views untrusted for as long as it is
 // watched (2 s).
 func TestWarmStartAfterRestart(t *testing.T) {
@@ -252,9 +262,16 @@ func TestWarmStartAfterRestart(t *testing.T) {
 		body   []byte
 		worker string
 	}
+	// A first request straight to each worker: its first KV-event
+	// message (0) reaches all three replicas.
+	for i, w := range f.workers {
+		if status, _, body, err := f.post(ctx, "http://"+w.Addr()+"/v1/completions", tokenBody(seqIDs(uint32(500+i), 64), 2)); err != nil || status != http.StatusOK {
+			t.Fatalf("primer %d: %d %v %s", i, status, err, body)
+		}
+	}
 	var probes []probe
 	for i := range 8 {
-		ids := seqIDs(uint32(10+i), 1024)
+		ids := seqIDs(uint32(10+i), probeTokens)
 		status, served, body, err := f.post(ctx, f.proxies[0]+"/v1/completions", tokenBody(ids, 4))
 		if err != nil || status != http.StatusOK {
 			t.Fatalf("seed %d: %d %v %s", i, status, err, body)
@@ -265,8 +282,10 @@ func TestWarmStartAfterRestart(t *testing.T) {
 		f.waitTrusted(t, i, 15*time.Second)
 	}
 	// Every replica's index holds the seeds (their workers' events).
+	var lastBody []byte
 	route := func(ctx context.Context, url string, p probe) (string, error) {
 		status, _, body, err := f.post(ctx, url+"/v1/route", p.body)
+		lastBody = body
 		if err != nil {
 			return "", err
 		}
@@ -282,7 +301,7 @@ func TestWarmStartAfterRestart(t *testing.T) {
 		}
 		return fmt.Sprintf("%s/%d", r.Endpoint, r.Overlap), nil
 	}
-	wantAnswer := func(p probe) string { return p.worker + "/64" }
+	wantAnswer := func(p probe) string { return fmt.Sprintf("%s/%d", p.worker, probeTokens/16) }
 	agree := func(ctx context.Context, reps []int) (bool, string) {
 		for pi, p := range probes {
 			for _, r := range reps {
@@ -291,16 +310,23 @@ func TestWarmStartAfterRestart(t *testing.T) {
 					return false, err.Error()
 				}
 				if got != wantAnswer(p) {
-					return false, fmt.Sprintf("probe %d: replica %d answers %s, the worker that caches it is %s", pi, r, got, wantAnswer(p))
+					return false, fmt.Sprintf("probe %d: replica %d answers %s, the worker that caches it is %s (%s)", pi, r, got, wantAnswer(p), lastBody)
 				}
 			}
 		}
 		return true, ""
 	}
 	pctx, cancel := context.WithTimeout(ctx, 15*time.Second)
-	if err := poll(pctx, func() (bool, string) { return agree(pctx, []int{0, 1, 2}) }); err != nil {
+	var why string
+	if err := poll(pctx, func() (bool, string) {
+		ok, w := agree(pctx, []int{0, 1, 2})
+		if pctx.Err() == nil {
+			why = w
+		}
+		return ok, w
+	}); err != nil {
 		cancel()
-		t.Fatalf("before the restart: %v", err)
+		t.Fatalf("before the restart: %s", why)
 	}
 	cancel()
 

@@ -62,6 +62,9 @@ const (
 	// warmRefetchDelay is the pause before fetching again for endpoints
 	// whose stream was ahead: the peer applies what it had queued.
 	warmRefetchDelay = 100 * time.Millisecond
+	// warmConnectWait bounds the wait for the subscribers' connections
+	// to their workers before the first fetch.
+	warmConnectWait = 500 * time.Millisecond
 )
 
 func (c *SyncWarmConfig) validate() error {
@@ -162,6 +165,19 @@ func (f *kvFleet) sub(k routing.EndpointKey) *kvevents.Sub {
 	return nil
 }
 
+// allDialed reports whether every subscriber of eps that dials its
+// worker (not kv_events_bind) has a connection.
+func (f *kvFleet) allDialed(eps []routing.EndpointKey) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, k := range eps {
+		if s, ok := f.subs[k]; ok && !s.ep.KVEventsBind && s.sub.Stats().Connections == 0 {
+			return false
+		}
+	}
+	return true
+}
+
 // setCacheBlocks passes a worker's scraped num_gpu_blocks to its
 // subscriber (the turnover that regains trust).
 func (f *kvFleet) setCacheBlocks(k routing.EndpointKey, n int) {
@@ -229,7 +245,10 @@ type warmStart struct {
 	mu     sync.Mutex
 	report WarmReport
 	gaps   map[routing.EndpointKey]int // refetches after a resume gap
-	m      *warmMetrics
+	// refetching are the endpoints a refetch holds (resumeGap): finish
+	// leaves them to it.
+	refetching map[routing.EndpointKey]bool
+	m          *warmMetrics
 }
 
 type warmMetrics struct {
@@ -266,7 +285,8 @@ func (s *serving) newWarm() *warmStart {
 		return nil
 	}
 	w := &warmStart{cfg: s.cfg.Sync.WarmStart, log: s.log.With("component", "warm_start"), engine: s.parts.engine, sync: sy,
-		start: time.Now(), done: make(chan struct{}), gaps: map[routing.EndpointKey]int{}, m: newWarmMetrics(s.reg)}
+		start: time.Now(), done: make(chan struct{}), gaps: map[routing.EndpointKey]int{}, refetching: map[routing.EndpointKey]bool{},
+		m: newWarmMetrics(s.reg)}
 	w.report.State = "off"
 	if !w.cfg.Disabled {
 		w.report.State = "running"
@@ -330,6 +350,7 @@ func (w *warmStart) run(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, timeout+time.Duration(w.cfg.attempts())*timeout)
 	defer cancel()
 	w.waitEndpoints(ctx, timeout)
+	w.waitConnected(ctx)
 	snap, info, err := w.sync.FetchState(ctx)
 	w.fetched(info)
 	if err != nil {
@@ -366,6 +387,23 @@ func (w *warmStart) waitEndpoints(ctx context.Context, timeout time.Duration) {
 	end := time.Now().Add(timeout)
 	for !w.engine.Ready() && time.Now().Before(end) && ctx.Err() == nil {
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// waitConnected waits, at most warmConnectWait, until every held
+// subscriber that dials its worker (connect mode) is connected: what the
+// worker publishes before then reaches neither this replica's queue nor,
+// perhaps, the peer's state, and would have to be fetched again.
+func (w *warmStart) waitConnected(ctx context.Context) {
+	if w.fleet == nil {
+		return
+	}
+	end := time.Now().Add(warmConnectWait)
+	for time.Now().Before(end) && ctx.Err() == nil {
+		if w.fleet.allDialed(w.fleet.holding()) {
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
 	}
 }
 
@@ -472,7 +510,10 @@ func (w *warmStart) setEndpoint(k routing.EndpointKey, state string, err error) 
 func (w *warmStart) finish(state string, err error) {
 	if w.fleet != nil {
 		for _, k := range w.fleet.stopHolding() {
-			if sub := w.fleet.sub(k); sub != nil {
+			w.mu.Lock()
+			mine := w.refetching[k]
+			w.mu.Unlock()
+			if sub := w.fleet.sub(k); sub != nil && !mine {
 				w.setEndpoint(k, "released", sub.Release(context.Background()))
 			}
 		}
@@ -518,16 +559,22 @@ func (w *warmStart) finish(state string, err error) {
 func (w *warmStart) resumeGap(endpoint string) {
 	k := routing.EndpointKey(endpoint)
 	w.mu.Lock()
-	if w.gaps[k] >= w.cfg.attempts()-1 {
+	if w.gaps[k] >= w.cfg.attempts()-1 || w.refetching[k] {
 		w.mu.Unlock()
 		return
 	}
 	w.gaps[k]++
+	w.refetching[k] = true
 	w.mu.Unlock()
 	go w.refetch(k) // not on the subscriber's goroutine
 }
 
 func (w *warmStart) refetch(k routing.EndpointKey) {
+	defer func() {
+		w.mu.Lock()
+		delete(w.refetching, k)
+		w.mu.Unlock()
+	}()
 	sub := w.fleet.sub(k)
 	if sub == nil {
 		return

@@ -148,12 +148,15 @@ func (ix *Index) importGPU(wk *worker, r *warmstate.Blocks) error {
 		wk.engine[bs] = m
 	}
 	sp := ix.space(bs) // alive: m holds a reference
+	keys := make([]uint64, 0, len(r.Blocks))
+	var err error
 	for i, b := range r.Blocks {
 		old, held := m[b.Hash]
 		if !held && wk.hashes >= ix.maxEventEntries {
 			ix.overCapacity.Add(1)
-			return fmt.Errorf("%w: worker %s rank %d holds %d blocks; %d of a run's %d imported",
+			err = fmt.Errorf("%w: worker %s rank %d holds %d blocks; %d of a run's %d imported",
 				ErrWorkerFull, wk.endpoint, wk.rank, wk.hashes, i, len(r.Blocks))
+			break
 		}
 		switch {
 		case !held:
@@ -161,12 +164,73 @@ func (ix *Index) importGPU(wk *worker, r *warmstate.Blocks) error {
 		case old == b.Key:
 			continue
 		default:
+			// The hash moves to other content: its old key may still
+			// wait in keys; store what waits before dropping it.
+			ix.storeBatch(sp, wk, keys)
+			keys = keys[:0]
 			ix.unhold(sp, wk, old, keepNone)
 		}
 		m[b.Hash] = b.Key
-		ix.store(sp, wk, b.Key)
+		keys = append(keys, b.Key)
 	}
-	return nil
+	ix.storeBatch(sp, wk, keys)
+	return err
+}
+
+// storeBatch makes wk hold every key of keys as an event-fed entry, as
+// store does key by key, taking each shard's lock once.
+func (ix *Index) storeBatch(sp *space, wk *worker, keys []uint64) {
+	if len(keys) == 0 {
+		return
+	}
+	type located struct {
+		k, h  uint64
+		shard int
+	}
+	loc := make([]located, len(keys))
+	var count [numShards]int
+	for i, k := range keys {
+		h := mix(k ^ sp.seed)
+		s := int(h >> (64 - shardBits))
+		loc[i] = located{k, h, s}
+		count[s]++
+	}
+	// Counting sort by shard.
+	var start [numShards + 1]int
+	for s := range numShards {
+		start[s+1] = start[s] + count[s]
+	}
+	sorted := make([]located, len(loc))
+	next := start
+	for _, l := range loc {
+		sorted[next[l.shard]] = l
+		next[l.shard]++
+	}
+	var added, fed int64
+	for s := range numShards {
+		if start[s] == start[s+1] {
+			continue
+		}
+		sh := &sp.shards[s]
+		sh.lock()
+		for _, l := range sorted[start[s]:start[s+1]] {
+			a, old := sh.put(l.k, l.h, wk.id, eventStamp)
+			switch {
+			case a:
+				added++
+			case old != 0: // an approximate entry becomes event-fed
+				fed++
+			}
+		}
+		// The counters move under the lock, as store's do, so that they
+		// never go negative.
+		ix.entries.Add(added)
+		wk.size.Add(added)
+		ix.approxEntries.Add(-fed)
+		wk.approx.Add(-fed)
+		added, fed = 0, 0
+		sh.unlock()
+	}
 }
 
 // importLower adds a lower-tier run to wk (wk.mu held).
