@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"reflect"
 	"strings"
+	stdsync "sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -124,9 +125,14 @@ func TestFetchState(t *testing.T) {
 // requester takes it for a live peer, and answers state requests with
 // answer (nil: never).
 type ghost struct {
-	nc   *nats.Conn
-	stop chan struct{}
+	nc    *nats.Conn
+	stop  chan struct{}
+	quiet chan struct{} // closed: no more heartbeats
+	once  stdsync.Once
 }
+
+// hush stops the ghost's heartbeats (it stays a peer until the TTL).
+func (g *ghost) hush() { g.once.Do(func() { close(g.quiet) }) }
 
 func startGhost(t *testing.T, srv *natsenv.Server, prefix, replica string, answer func(q *wire.StateRequest, reply string, nc *nats.Conn)) *ghost {
 	t.Helper()
@@ -134,7 +140,7 @@ func startGhost(t *testing.T, srv *natsenv.Server, prefix, replica string, answe
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := &ghost{nc: nc, stop: make(chan struct{})}
+	g := &ghost{nc: nc, stop: make(chan struct{}), quiet: make(chan struct{})}
 	if answer != nil {
 		_, err := nc.Subscribe(prefix+".state."+replica, func(m *nats.Msg) {
 			if w, err := wire.Decode(m.Data); err == nil && w.Kind == wire.KindStateRequest {
@@ -150,7 +156,11 @@ func startGhost(t *testing.T, srv *natsenv.Server, prefix, replica string, answe
 		defer tick.Stop()
 		for seq := uint64(1); ; seq++ {
 			b, _ := wire.Append(nil, &wire.Message{Kind: wire.KindHeartbeat, Pool: "p", Replica: replica, Epoch: 5, Seq: seq, Heartbeat: wire.Heartbeat{Interval: 20}})
-			_ = nc.Publish(prefix+".heartbeat", b)
+			select {
+			case <-g.quiet:
+			default:
+				_ = nc.Publish(prefix+".heartbeat", b)
+			}
 			select {
 			case <-g.stop:
 				return
@@ -207,11 +217,17 @@ func TestFetchStateFallsBack(t *testing.T) {
 			}
 		},
 	}
+	var ghosts []*ghost
 	for name, answer := range cases {
-		startGhost(t, srv, prefix, name, answer)
+		ghosts = append(ghosts, startGhost(t, srv, prefix, name, answer))
 	}
 	waitFor(t, 10*time.Second, "b hears the ghosts and real", func() bool { return len(b.s.Status().Peers) == 6 })
 	_ = real
+	// The ghosts are tried first: silent now, heard an hour ahead.
+	for _, g := range ghosts {
+		g.hush()
+	}
+	time.Sleep(50 * time.Millisecond) // a heartbeat under way arrives
 	for name := range cases {
 		first(b, name)
 	}
