@@ -38,6 +38,14 @@ import (
 // (Hold, then Resume). [Sub.Release] starts the stream as without Hold:
 // the first message decides trust.
 //
+// One case is not told apart: a worker that restarts between the
+// subscription and the export (a window of the fetch's length, about
+// 100 ms) sends small sequence numbers again, which the resume takes for
+// messages the peer's state covers. The view then holds the worker's
+// blocks from before its restart until its next message, whose sequence
+// number is below the peer's: that reads as a restart (the view is
+// cleared, and untrusted unless it is the worker's first message).
+//
 // # Regaining trust as the cache turns over
 //
 // Without a peer's state or a replay, a view that missed messages (a late
