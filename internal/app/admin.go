@@ -69,6 +69,7 @@ type adminState struct {
 	policy string
 	ep     *extproc.Server
 	sync   *rsync.Syncer // nil without --sync-nats
+	warm   *warmStart    // nil without --sync-nats (warm.go)
 	// health answers /healthz and /readyz (health.go).
 	health http.Handler
 }
@@ -133,11 +134,18 @@ func (st adminState) replicas(w http.ResponseWriter, _ *http.Request) {
 		return
 	}
 	b := st.engine.BurstStats()
+	var warm *WarmReport
+	if st.warm != nil {
+		r := st.warm.Report()
+		warm = &r
+	}
 	_ = json.NewEncoder(w).Encode(struct {
 		Enabled bool `json:"enabled"`
 		rsync.Status
 		Turns turnsStatus `json:"turns"`
-	}{true, st.sync.Status(), turnsStatus{Rank: b.Rank, Replicas: b.Replicas, Simultaneous: b.Simultaneous, Blind: b.Blind, Held: b.Held, HeldSeconds: b.HeldSeconds}})
+		// WarmStart is what this replica took from a peer at start.
+		WarmStart *WarmReport `json:"warm_start,omitempty"`
+	}{true, st.sync.Status(), turnsStatus{Rank: b.Rank, Replicas: b.Replicas, Simultaneous: b.Simultaneous, Blind: b.Blind, Held: b.Held, HeldSeconds: b.HeldSeconds}, warm})
 }
 
 // turnsStatus is /debug/replicas' view of routing/burst: this replica's

@@ -91,6 +91,9 @@ type SyncConfig struct {
 	// --max-body-bytes tokens each).
 	MaxPeerInFlight      int   `json:"max_peer_inflight,omitempty"`
 	MaxPeerPrefillTokens int64 `json:"max_peer_prefill_tokens,omitempty"`
+	// WarmStart is the state a starting replica takes from a peer
+	// (warm.go).
+	WarmStart SyncWarmConfig `json:"warm_start"`
 }
 
 // turns reports whether sync.turns is on (the default).
@@ -141,7 +144,7 @@ func (c *SyncConfig) validate() error {
 	if n > 1 {
 		return fmt.Errorf("sync.nats: creds_file, user/password, token and nkey_file are exclusive")
 	}
-	return nil
+	return c.WarmStart.validate()
 }
 
 // HealthConfig tunes endpoint ejection.
@@ -251,6 +254,12 @@ type RouterConfig struct {
 	// TierWeights price a cached block by its KV tier (GPU, host memory,
 	// disk) for the kv and weighted policies; see routing.TierWeights.
 	TierWeights routing.TierWeights `json:"tier_weights"`
+	// KVCacheBlocks is a worker's GPU cache in blocks (per rank) for the
+	// workers that do not report vllm:cache_config_info's
+	// num_gpu_blocks: an untrusted KV view is trusted again once the
+	// worker has stored that many blocks since (routing/kvevents
+	// warm.go); 0: only the scraped size.
+	KVCacheBlocks int `json:"kv_cache_blocks,omitempty"`
 }
 
 // PrefixStateConfig bounds the prefix state.
@@ -344,6 +353,8 @@ func (c *FileConfig) Validate() error {
 		return fmt.Errorf("router.prune_target_ratio: must be in (0, 1], got %v", r.PruneTargetRatio)
 	case r.MaxEventBlocksPerWorker <= 0:
 		return fmt.Errorf("router.max_event_blocks_per_worker: must be > 0, got %d", r.MaxEventBlocksPerWorker)
+	case r.KVCacheBlocks < 0:
+		return fmt.Errorf("router.kv_cache_blocks: must be >= 0, got %d", r.KVCacheBlocks)
 	case !(r.QueueThreshold >= 0):
 		return fmt.Errorf("router.queue_threshold: must be >= 0, got %v", r.QueueThreshold)
 	case r.QueuePolicy != string(admission.PolicyFCFS) && r.QueuePolicy != string(admission.PolicyWSPT):

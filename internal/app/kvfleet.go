@@ -27,6 +27,14 @@ type kvFleet struct {
 	// messages a worker sends to a bound socket (kv_events_bind), which
 	// only this replica receives. Set before the first Follow.
 	publish func(endpoint string, seq uint64, payload []byte)
+	// hold makes new subscribers hold their streams for the warm start
+	// (warm.go) until it resumes or releases them; onResumeGap is their
+	// OnResumeGap; cacheBlocks the configured GPU cache size of a worker
+	// that does not report num_gpu_blocks (router.kv_cache_blocks). Set
+	// before the first Follow; hold is cleared under mu.
+	hold        bool
+	onResumeGap func(endpoint string)
+	cacheBlocks int
 
 	mu      sync.Mutex
 	subs    map[routing.EndpointKey]*kvSub
@@ -74,9 +82,11 @@ func (f *kvFleet) Follow(set routing.EndpointSet) []error {
 		if ep.KVEventsBind {
 			tap = f.publish
 		}
-		sub, err := kvevents.Subscribe(f.ctx, kvevents.Config{Endpoint: string(k), Address: ep.KVEvents, Bind: ep.KVEventsBind, ReplayAddress: ep.KVEventsReplay, FirstSeq: ep.KVEventsFirstSeq}, kvevents.Deps{
-			Logger:    f.log,
-			OnMessage: tap,
+		sub, err := kvevents.Subscribe(f.ctx, kvevents.Config{Endpoint: string(k), Address: ep.KVEvents, Bind: ep.KVEventsBind, ReplayAddress: ep.KVEventsReplay, FirstSeq: ep.KVEventsFirstSeq,
+			Hold: f.hold, CacheBlocks: f.cacheBlocks, Ranks: ep.DataParallelSize}, kvevents.Deps{
+			Logger:      f.log,
+			OnMessage:   tap,
+			OnResumeGap: f.onResumeGap,
 			Apply: func(_ string, rank int, ev kvindex.Event) error {
 				return f.engine.ApplyKVEvent(k, rank, ev)
 			},

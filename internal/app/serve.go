@@ -141,7 +141,8 @@ type serving struct {
 	hub    *discovery.Hub
 	edsSrv *eds.Server // nil without EDS
 	edsCfg *EDSConfig
-	fleet  *kvFleet // nil with KV events off
+	fleet  *kvFleet   // nil with KV events off
+	warm   *warmStart // nil without sync (warm.go)
 
 	ep *extproc.Server
 	px *proxy.Proxy // nil without the standalone proxy
@@ -268,6 +269,7 @@ func (s *serving) startHub() error {
 	}
 	s.hub = discovery.NewHub(hubDeps)
 	s.reg.MustRegister(hubCollector{s.hub})
+	s.warm = s.newWarm()
 	s.startFleet()
 	if s.static != nil {
 		// A static set is checked now: a bad one is a start-up error.
@@ -283,6 +285,7 @@ func (s *serving) startHub() error {
 	if s.fleet != nil {
 		s.hub.Follow(func(set routing.EndpointSet) { s.fleet.Follow(set) })
 	}
+	s.runWarm()
 	return nil
 }
 
@@ -292,6 +295,10 @@ func (s *serving) startFleet() {
 		return
 	}
 	s.fleet = newKVFleet(s.bgCtx, s.parts.engine, s.log)
+	s.fleet.cacheBlocks = s.cfg.Router.KVCacheBlocks
+	if w := s.warm; w.holds() {
+		s.fleet.hold, s.fleet.onResumeGap = true, w.resumeGap
+	}
 	s.onExit(s.fleet.Close)
 	s.reg.MustRegister(s.fleet)
 	if s.parts.sync != nil {

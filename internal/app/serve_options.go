@@ -90,6 +90,9 @@ type ServeOptions struct {
 	// SyncAllowAnonymous lets --sync-nats connect without credentials
 	// (config sync.allow_anonymous).
 	SyncAllowAnonymous bool
+	// SyncWarmStart, true by default: a starting replica takes a peer's
+	// state (sync.warm_start; false sets sync.warm_start.disabled).
+	SyncWarmStart bool
 	// DryRun (--dry-run) runs `kvbandit config check` on these options
 	// and exits instead of serving.
 	DryRun bool
@@ -151,6 +154,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.BoolVar(&o.SyncAllowAnonymous, "sync-allow-anonymous", false, "let --sync-nats connect without credentials (warned at start-up): any client the NATS server lets in can then act as a peer replica (as sync.allow_anonymous)")
 	fs.BoolVar(&o.DryRun, "dry-run", false, "load and validate the config and flags, resolve tokenizers and discovery settings (nothing contacted), print the effective config, and exit (as kvbandit config check does)")
 	fs.StringVar(&o.ReplicaID, "replica-id", "", "this replica's id among the --sync-nats peers, unique in the pool (default: hostname-<6 random hex>)")
+	fs.BoolVar(&o.SyncWarmStart, "sync-warm-start", true, "with --sync-nats: at start, take a live peer's state (KV index with its trust and sequence, latency model, posteriors, sessions) and answer peers that start; false: neither (config sync.warm_start)")
 }
 
 // Validate checks the options.
@@ -292,6 +296,9 @@ func (o *ServeOptions) applyFlags(c *FileConfig) error {
 	}
 	if _, ok := o.set["tokenizer-timeout"]; ok {
 		c.Tokenizer.TimeoutSecs = o.TokenizerTimeout.Seconds()
+	}
+	if _, ok := o.set["sync-warm-start"]; ok {
+		c.Sync.WarmStart.Disabled = !o.SyncWarmStart
 	}
 	// The Dynamo-named knobs also parameterise the policies.
 	if _, ok := o.set["router-kv-overlap-score-weight"]; ok || r.KVOverlapScoreWeight != 1 {

@@ -132,7 +132,7 @@ func (s *serving) listen() error {
 		if o.Admin.TLS {
 			s.ml = httpTLS(s.ml, s.tlsSrc)
 		}
-		s.hsrv = newAdminServer(o.Admin, adminState{reg: s.reg, engine: s.parts.engine, hub: s.hub, policy: s.parts.policy.Name(), ep: s.ep, sync: s.parts.sync, health: s.hh})
+		s.hsrv = newAdminServer(o.Admin, adminState{reg: s.reg, engine: s.parts.engine, hub: s.hub, policy: s.parts.policy.Name(), ep: s.ep, sync: s.parts.sync, warm: s.warm, health: s.hh})
 	}
 	if s.px != nil {
 		if s.pl, err = listenOn(ls.HTTP, o.HTTPAddr); err != nil {
@@ -156,8 +156,18 @@ func (s *serving) startScraper() {
 		return
 	}
 	engine, log := s.parts.engine, s.log
+	publish := scrape.EnginePublish(engine)
+	if f := s.fleet; f != nil {
+		// A worker's GPU cache size lets its KV view regain trust as the
+		// cache turns over (routing/kvevents warm.go).
+		inner := publish
+		publish = func(t scrape.Target, smp scrape.Sample) {
+			inner(t, smp)
+			f.setCacheBlocks(routing.EndpointKey(t.Key), smp.NumGPUBlocks)
+		}
+	}
 	sc := scrape.New(scrape.Config{Interval: s.o.ScrapeInterval, Timeout: s.o.ScrapeTimeout}, scrape.Deps{
-		Logger: log, Targets: scrape.EngineTargets(engine), Publish: scrape.EnginePublish(engine),
+		Logger: log, Targets: scrape.EngineTargets(engine), Publish: publish,
 		OnError: scrape.EngineFailure(engine, func(t scrape.Target, err error) { log.Debug("scrape failed", "endpoint", t.Key, "err", err) }),
 	})
 	s.reg.MustRegister(scrapeCollector{sc})
@@ -221,6 +231,7 @@ func serveHTTP(srv *http.Server, l net.Listener, name string, errc chan<- error)
 // becomeReady lets readiness follow discovery and leadership, and says
 // that serve is serving.
 func (s *serving) becomeReady() {
+	s.warm.waitReady() // bounded: sync.warm_start.ready_wait_ms
 	// Ready once discovery has published a set, and from then on through
 	// discovery outages (the last known set keeps serving).
 	// Under --leader-elect, also only while leading (leader.go).

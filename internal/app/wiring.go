@@ -137,7 +137,7 @@ func (p *engineParts) build(o ServeOptions, cfg *FileConfig, log *slog.Logger, r
 	if err != nil {
 		return err
 	}
-	if p.sync, err = newSyncer(o, cfg, log, reg, p.pushKVEvents); err != nil {
+	if p.sync, err = newSyncer(o, cfg, log, reg, p.pushKVEvents, warmSource{p}); err != nil {
 		return err
 	}
 	opts := cfg.engineOptions(o.Fallbacks)
@@ -291,7 +291,7 @@ func (h *engineHooks) onDone(d *routing.Decision, out routing.Outcome) {
 // newSyncer makes the routing/sync Syncer when NATS servers are given
 // (--sync-nats, else sync.nats.servers); nil otherwise. The pool is
 // --pool-name, else --etcd-pool with etcd discovery, else "default".
-func newSyncer(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus.Registerer, onKV func(string, uint64, []byte) error) (*rsync.Syncer, error) {
+func newSyncer(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus.Registerer, onKV func(string, uint64, []byte) error, state rsync.StateSource) (*rsync.Syncer, error) {
 	sc := cfg.Sync
 	servers := sc.NATS.Servers
 	if o.SyncNATS != "" {
@@ -339,7 +339,8 @@ func newSyncer(o ServeOptions, cfg *FileConfig, log *slog.Logger, reg prometheus
 		MaxPeerInFlight: cmp.Or(sc.MaxPeerInFlight, 2*o.MaxInflight), MaxPeerPrefillTokens: sc.MaxPeerPrefillTokens,
 		// A scrape is fresh for two intervals (and its timeout).
 		Claims: rsync.ClaimCheck{MaxLoadAge: 2*o.ScrapeInterval + o.ScrapeTimeout},
-	}, rsync.Deps{Logger: log, Registry: reg, OnKVEvents: onKV})
+		Warm:   sc.WarmStart.syncConfig(),
+	}, rsync.Deps{Logger: log, Registry: reg, OnKVEvents: onKV, State: state})
 	if err != nil {
 		return nil, syncConfigError(err)
 	}

@@ -19,7 +19,9 @@
 // socket's accept or dial loop. They only move messages into a queue
 // bounded in messages and bytes (dropping and counting when it is full).
 // One applier goroutine checks sequence numbers, replays gaps and calls
-// Apply; Apply, OnTrust, OnResync and OnMessage are called from it only.
+// Apply; Apply, OnTrust, OnResync, OnMessage and OnResumeGap are called
+// from it only. The warm start's calls (Export, Resume, Release, Hold)
+// run on it too, between two messages (warm.go).
 //
 // # Republished events
 //
@@ -43,5 +45,11 @@
 // refused blocks back. A sequence number going
 // backwards is a worker restart: every rank seen gets a Cleared event, and
 // a restart at sequence 0 is exact again; so is an AllBlocksCleared event.
+// An untrusted view is trusted again once the worker has stored a whole
+// GPU cache's worth of blocks since the last hole (Config.CacheBlocks,
+// SetCacheBlocks; see warm.go for exactly what it may still miss). With
+// Config.Hold a Sub queues its stream until a peer replica's state
+// resumes it at a known sequence number with a known trust (Resume) or
+// it is released to start as above (Release): the warm start, warm.go.
 // Close stops every goroutine of the Sub.
 package kvevents

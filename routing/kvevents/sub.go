@@ -52,6 +52,18 @@ type Config struct {
 	// MaxMessageBytes bounds one ZMQ message (and each of its frames);
 	// 0 means 16 MiB, far above the largest batch Decode accepts.
 	MaxMessageBytes int
+	// Hold makes the Sub queue what arrives without applying it until
+	// Resume (a peer replica's state at a known sequence number) or
+	// Release (start as without Hold): the warm start (warm.go).
+	Hold bool
+	// CacheBlocks is the worker's GPU cache in blocks per rank
+	// (vllm:cache_config_info's num_gpu_blocks, or configured), which
+	// lets an untrusted view regain trust once the cache has turned over
+	// (warm.go); 0: unknown until SetCacheBlocks, and trust is regained
+	// only by a restart, a clear or a replay. Ranks is the worker's
+	// data-parallel ranks (0 means 1); each must turn over.
+	CacheBlocks int
+	Ranks       int
 }
 
 // Deps are the subscriber's collaborators.
@@ -80,6 +92,11 @@ type Deps struct {
 	// the message's third frame; it is not modified afterwards and may be
 	// retained, but must not be modified. It must not block. Optional.
 	OnMessage func(endpoint string, seq uint64, payload []byte)
+	// OnResumeGap is called when the first message after a Resume
+	// leaves a gap after the resumed sequence number (warm.go), after the
+	// resync; the caller may Hold and Resume at a fresher state. It must
+	// not block (it runs on the apply goroutine). Optional.
+	OnResumeGap func(endpoint string)
 }
 
 // Stats are a Sub's counters since Subscribe.
@@ -122,6 +139,13 @@ type Stats struct {
 	ConnectionsEvicted  uint64
 	ConnectionErrors    uint64
 	Trusted             bool
+	// Warm start and turnover (warm.go): Covered counts queued messages a
+	// resumed peer state already held (sequence at or below its own),
+	// Turnovers the times trust came back because the worker's cache
+	// turned over; Holding says the Sub waits for Resume or Release.
+	Covered   uint64
+	Turnovers uint64
+	Holding   bool
 }
 
 // Sub is a running subscription to one endpoint's KV events.
@@ -147,15 +171,22 @@ type Sub struct {
 	c struct {
 		messages, events, blocks, ignored, malformed, dropped, duplicates,
 		gaps, restarts, resyncs, replays, replayFailures, unknownParent,
-		unknownBlock, indexLimit, applyErrors, pushed, pushIgnored atomic.Uint64
+		unknownBlock, indexLimit, applyErrors, pushed, pushIgnored,
+		covered, turnovers atomic.Uint64
 	}
 	trusted atomic.Bool
+	// ctrl carries the warm start's requests to the apply goroutine
+	// (warm.go); holdingNow mirrors warm.holding for Stats.
+	ctrl       chan control
+	holdingNow atomic.Bool
+	cache      atomic.Int64 // CacheBlocks, then SetCacheBlocks
 
 	// Owned by the apply goroutine.
 	started bool
 	last    uint64
 	trust   int8 // -1 unknown, 0 false, 1 true
 	ranks   map[int]struct{}
+	warm    warmState
 }
 
 // message is one queued ZMQ message: [topic, seq (8 bytes BE), payload].
@@ -190,7 +221,10 @@ func Subscribe(ctx context.Context, cfg Config, deps Deps) (*Sub, error) {
 	if cfg.MaxMessageBytes <= 0 {
 		cfg.MaxMessageBytes = 16 << 20
 	}
-	s := &Sub{cfg: cfg, deps: deps, log: deps.Logger, trust: -1, ranks: map[int]struct{}{}}
+	s := &Sub{cfg: cfg, deps: deps, log: deps.Logger, trust: -1, ranks: map[int]struct{}{}, ctrl: make(chan control)}
+	s.warm.init(&cfg)
+	s.cache.Store(int64(max(cfg.CacheBlocks, 0)))
+	s.holdingNow.Store(cfg.Hold)
 	if s.log == nil {
 		s.log = slog.Default()
 	}
@@ -268,6 +302,7 @@ func (s *Sub) Stats() Stats {
 		UnknownParent: s.c.unknownParent.Load(), UnknownBlock: s.c.unknownBlock.Load(),
 		IndexLimit: s.c.indexLimit.Load(), ApplyErrors: s.c.applyErrors.Load(), Trusted: s.trusted.Load(),
 		Pushed: s.c.pushed.Load(), PushIgnored: s.c.pushIgnored.Load(),
+		Covered: s.c.covered.Load(), Turnovers: s.c.turnovers.Load(), Holding: s.holdingNow.Load(),
 		Connections: z.Conns, ConnectionsRejected: z.Rejected, ConnectionsEvicted: z.Evicted,
 		ConnectionErrors: z.HandshakeFailures + z.Failures,
 	}
@@ -319,21 +354,53 @@ func (s *Sub) put(m message) bool {
 	}
 }
 
+// applyLoop is the apply goroutine: it takes the queued messages in
+// order, and the warm start's requests (warm.go) between two of them.
+// While the Sub holds, it takes only those requests.
 func (s *Sub) applyLoop() {
 	defer s.wg.Done()
-	for m := range s.queue {
-		for _, f := range m.frames {
-			s.queued.Add(-int64(len(f)))
-		}
-		if s.ctx.Err() != nil {
-			continue // closing: discard
-		}
-		if m.pushed && s.sock.Stats().Conns > 0 {
-			s.c.pushIgnored.Add(1)
+	for {
+		if s.warm.holding {
+			select {
+			case c := <-s.ctrl:
+				s.control(c)
+			case <-s.ctx.Done():
+				return
+			}
 			continue
 		}
-		s.handle(m)
+		if m, ok := s.warm.next(); ok {
+			s.take(m)
+			continue
+		}
+		select {
+		case m, ok := <-s.queue:
+			if !ok {
+				return
+			}
+			s.take(m)
+		case c := <-s.ctrl:
+			s.control(c)
+		}
 	}
+}
+
+// take applies one message taken off the queue.
+func (s *Sub) take(m message) {
+	for _, f := range m.frames {
+		s.queued.Add(-int64(len(f)))
+	}
+	if s.ctx.Err() != nil {
+		return // closing: discard
+	}
+	if m.pushed && s.sock.Stats().Conns > 0 {
+		s.c.pushIgnored.Add(1)
+		return
+	}
+	if s.covers(m) {
+		return
+	}
+	s.handle(m)
 }
 
 func seqOf(frames [][]byte) (uint64, bool) {
@@ -370,6 +437,7 @@ func (s *Sub) handle(m message) {
 		s.c.restarts.Add(1)
 		s.log.Info("kv events: worker restarted", "seq", seq, "last", s.last)
 		s.clearAll()
+		s.warm.cleared()
 		if seq == s.cfg.FirstSeq {
 			s.resyncNotify()
 			s.setTrust(true)
@@ -380,11 +448,14 @@ func (s *Sub) handle(m message) {
 		s.c.gaps.Add(1)
 		s.log.Info("kv events: sequence gap", "from", s.last+1, "to", seq-1)
 		s.resync(s.last+1, seq)
+		s.resumeGap()
 	}
+	s.warm.resumed = false
 	s.applyMsg(seq, frames, !m.pushed)
 }
 
 func (s *Sub) resyncNotify() {
+	s.warm.hole()
 	s.c.resyncs.Add(1)
 	if s.deps.OnResync != nil {
 		s.deps.OnResync(s.cfg.Endpoint)
@@ -452,6 +523,7 @@ func (s *Sub) applyMsg(seq uint64, frames [][]byte, tap bool) {
 		s.apply(b.Rank, ev)
 		if ev.Kind == kvindex.Cleared && len(s.ranks) == 1 {
 			// The engine dropped everything: what follows is exact again.
+			s.warm.cleared()
 			s.setTrust(true)
 		}
 	}
@@ -460,6 +532,7 @@ func (s *Sub) applyMsg(seq uint64, frames [][]byte, tap bool) {
 func (s *Sub) apply(rank int, ev kvindex.Event) {
 	s.c.events.Add(1)
 	err := s.deps.Apply(s.cfg.Endpoint, rank, ev)
+	defer s.turnover(rank, &ev)
 	switch {
 	case err == nil:
 	case errors.Is(err, kvindex.ErrUnknownParent):
@@ -477,6 +550,7 @@ func (s *Sub) apply(rank int, ev kvindex.Event) {
 		if s.trust != 0 {
 			s.log.Warn("kv events: the index refused blocks over its limits, view is no longer exact", "rank", rank, "err", err)
 		}
+		s.warm.limited = true // no turnover brings refused blocks back
 		s.setTrust(false)
 	default:
 		s.c.applyErrors.Add(1)

@@ -61,12 +61,34 @@
 // reconnects forever and sends a snapshot as soon as it is back. Peers'
 // decisions already applied stay until their peer's TTL expires.
 //
+// # Warm start
+//
+// A replica that starts (or restarts) asks a live peer for its state
+// (warm.go, issue 22): [Syncer.FetchState] picks the peer heard last
+// within the peer TTL (waiting up to WarmConfig.PeerWait to hear one) and
+// sends a state request on the peer's own subject, <prefix>.state.<id>;
+// the peer answers on the request's reply subject with the chunks of its
+// state (routing/warmstate values: per endpoint the KV-event stream's
+// sequence number and trust with the index entries exported at that same
+// point, the latency model, the policy's posteriors, the sessions), each
+// one message of at most 1 MiB, WarmConfig.Window at a time, the next
+// window on request. A refusal, NATS's no-responders answer, a window
+// late by WarmConfig.WindowTimeout, a chunk that does not decode or
+// breaks the exchange (another transfer, another sender, out of order, a
+// changing total) or a transfer over WarmConfig.MaxBytes ends the attempt
+// and the next peer is tried, within WarmConfig.Timeout. A peer serves one
+// transfer at a time and starts at most WarmConfig.Burst, then one per
+// WarmConfig.ServeEvery; the rest are refused and counted. What to do
+// with the state (import it, resume the KV-event streams at its sequence
+// numbers) is the caller's: internal/app's warm start.
+//
 // # Limits
 //
 // Every incoming message is at most 1 MiB (the server's max_payload and
 // the decoder both enforce it), the subscription holds at most
 // Config.MaxPendingBytes before NATS drops (counted as slow_consumer),
-// at most Config.MaxPeers peers are tracked, block keys are copied out
+// at most Config.MaxPeers peers are tracked, state transfers are bounded
+// as the warm start says, block keys are copied out
 // of each message so that one retained decision never pins a whole
 // message, and the engine bounds peers' open decisions and held block
 // keys (routing.ErrRemoteLimit, counted). A snapshot that would not fit

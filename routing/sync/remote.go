@@ -105,6 +105,12 @@ func (s *Syncer) receive(msg *nats.Msg) {
 		}
 		return
 	}
+	if int(m.Kind) >= len(s.m.received) {
+		// A warm-start message (warm.go) has its own subjects.
+		s.m.received[0].Inc()
+		s.m.dropped.WithLabelValues("unexpected_kind").Inc()
+		return
+	}
 	s.m.received[m.Kind].Inc()
 	if m.Pool != s.cfg.Pool {
 		s.m.dropped.WithLabelValues("other_pool").Inc()

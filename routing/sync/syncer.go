@@ -132,6 +132,8 @@ type Config struct {
 	// MaxKVQueueBytes bounds the KV-event payloads waiting to be
 	// republished (PublishKVEvents); past it messages are dropped.
 	MaxKVQueueBytes int
+	// Warm configures the warm start's exchange (warm.go).
+	Warm WarmConfig
 }
 
 // TLSConfig is the client side of TLS: a CA to trust (else the system
@@ -175,6 +177,9 @@ type Deps struct {
 	// here) is counted in kvbandit_sync_rejected_total. Nil: republished
 	// KV events are dropped (reason unsupported).
 	OnKVEvents func(endpoint string, seq uint64, payload []byte) error
+	// State exports this replica's state for a peer that starts (the
+	// warm start, warm.go); nil: peers' requests are refused.
+	State StateSource
 }
 
 func (c *Config) defaults() error {
@@ -237,7 +242,7 @@ func (c *Config) defaults() error {
 	if c.MaxKVQueueBytes <= 0 {
 		c.MaxKVQueueBytes = DefaultMaxKVQueueBytes
 	}
-	return nil
+	return c.Warm.defaults(c.HeartbeatInterval)
 }
 
 // checkCredentials: at most one of creds file, user/password, token and
@@ -325,6 +330,7 @@ type Syncer struct {
 	connected atomic.Bool
 	authLog   logLimiter
 	peerLines lineBudget
+	warm      *warm // the warm start's exchange (warm.go)
 	stop      chan struct{}
 	wg        stdsync.WaitGroup
 	started   bool
@@ -376,6 +382,10 @@ func New(cfg Config, deps Deps) (*Syncer, error) {
 	if err != nil {
 		return nil, err
 	}
+	s.warm = &warm{cfg: cfg.Warm, source: deps.State}
+	if err := s.warm.register(deps.Registry); err != nil {
+		return nil, err
+	}
 	s.m = m
 	s.m.degraded.Set(1)
 	return s, nil
@@ -422,6 +432,10 @@ func (s *Syncer) Start(e Engine) error {
 		return fmt.Errorf("sync: subscribe %s.*: %w", s.cfg.SubjectPrefix, err)
 	}
 	s.nc, s.sub = nc, sub
+	if err := s.startWarm(nc); err != nil {
+		nc.Close()
+		return err
+	}
 	// A round trip to the server (PING/PONG after the SUB) makes
 	// "connected" mean "hearing peers": before it, the server may not have
 	// registered the subscription, and what peers publish meanwhile is
@@ -595,6 +609,7 @@ func (s *Syncer) Close() error {
 		}
 		close(s.stop)
 		s.wg.Wait() // the flusher publishes the last batch before it returns
+		s.stopWarm()
 		closed := make(chan struct{})
 		s.nc.SetClosedHandler(func(*nats.Conn) { close(closed) })
 		if err := s.nc.Drain(); err != nil {

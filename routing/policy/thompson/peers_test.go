@@ -30,17 +30,17 @@ func remote(p *Policy, peer string, ep routing.EndpointKey, lat time.Duration) {
 	p.LearnRemote(&o)
 }
 
-// learnt is what the policy learnt from outcomes: each endpoint's Beta
+// learntSnap is what the policy learnt from outcomes: each endpoint's Beta
 // parameters and baselines, and the global baselines.
-type learnt struct {
+type learntSnap struct {
 	beta    map[routing.EndpointKey]betaParams
 	overall map[routing.EndpointKey][2]ema
 	bucket  map[routing.EndpointKey][3][3][2]ema
 	global  [2]ema
 }
 
-func snapshot(p *Policy) learnt {
-	l := learnt{beta: map[routing.EndpointKey]betaParams{}, overall: map[routing.EndpointKey][2]ema{}, bucket: map[routing.EndpointKey][3][3][2]ema{}}
+func snapshot(p *Policy) learntSnap {
+	l := learntSnap{beta: map[routing.EndpointKey]betaParams{}, overall: map[routing.EndpointKey][2]ema{}, bucket: map[routing.EndpointKey][3][3][2]ema{}}
 	p.emaMu.Lock()
 	defer p.emaMu.Unlock()
 	l.global = p.global
@@ -57,7 +57,7 @@ func sameEMA(a, b ema) bool {
 }
 
 // compare reports where got differs from want (beyond rounding).
-func compare(got, want learnt) error {
+func compare(got, want learntSnap) error {
 	for i := range want.global {
 		if !sameEMA(got.global[i], want.global[i]) {
 			return fmt.Errorf("global baseline %d: %+v, want %+v", i, got.global[i], want.global[i])

@@ -4,6 +4,8 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
+
+	"github.com/kvbandit/kvbandit/routing/warmstate"
 )
 
 // Minimal encoded sizes, to check a declared count against the bytes left
@@ -59,6 +61,9 @@ func decode(b []byte, d *Decoder) (*Message, error) {
 	if check.blocks > 0 {
 		r.arena = make([]uint64, check.blocks)
 	}
+	if check.stateBlocks > 0 {
+		r.stateArena = make([]warmstate.Block, check.stateBlocks)
+	}
 	m := new(Message)
 	r.message(m)
 	if r.err != nil { // cannot happen: pass 1 read the same bytes
@@ -82,6 +87,10 @@ type reader struct {
 	blocks int
 	// arena holds every block key of the message (filling pass).
 	arena []uint64
+	// stateBlocks and stateArena are the same for a state chunk's block
+	// runs (state.go).
+	stateBlocks int
+	stateArena  []warmstate.Block
 }
 
 // fail records the first error, about the field that starts at byte at.
@@ -280,6 +289,10 @@ func (r *reader) message(m *Message) {
 		m.Heartbeat.Interval = r.u32("interval")
 	case KindKVEvents:
 		r.kvEvents(&m.KVEvents)
+	case KindStateRequest:
+		r.stateRequest(&m.StateRequest)
+	case KindStateChunk:
+		r.stateChunk(&m.StateChunk)
 	default:
 		r.fail(1, ErrMalformed, "unknown message kind %d", m.Kind)
 		return

@@ -37,7 +37,8 @@
 // value must fit the type, or the message is malformed. Every message is:
 //
 //	u8       version        1 (anything else: ErrVersion)
-//	u8       kind           1 batch, 2 snapshot, 3 heartbeat, 4 KV events
+//	u8       kind           1 batch, 2 snapshot, 3 heartbeat, 4 KV events,
+//	                        5 state request, 6 state chunk
 //	str      pool           ≤ 128 bytes
 //	str      replica        ≤ 128 bytes
 //	u64le    epoch          random per process start
@@ -108,6 +109,59 @@
 // KV events (kind 4): str endpoint (≤ 512 bytes), bytes payload (a vLLM
 // msgpack KV-event batch as received), uvarint seq (the worker's sequence
 // number).
+//
+// # The warm start's messages
+//
+// A replica that starts asks a peer for its state (routing/sync's
+// warm start) with a state request on the peer's own subject and gets the
+// chunks of the answer on its reply subject. Their envelope's seq is 0
+// (they are outside the sender's numbered stream). Floats (f64) are
+// IEEE-754 bits as u64le and must be finite; ranks are varints in [-1,
+// 1024] (a block run's a uvarint ≤ 1024).
+//
+// State request (kind 5):
+//
+//	u64le    transfer       the requester's number for the transfer
+//	uvarint  from           uint32, the first chunk wanted (0: a new transfer)
+//	uvarint  max bytes      ≤ 2^32, the most the requester takes in all
+//
+// State chunk (kind 6):
+//
+//	u64le    transfer       the request's
+//	uvarint  index          uint32, from 0
+//	uvarint  total          uint32 ≤ 4096, the transfer's chunks (0: refused)
+//	u8       flags          bit 0: refused (ask another peer); others 0
+//	uvarint  streams        ≤ 2^20, each: str endpoint ≤ 512, u8 flags
+//	                        (bit 0 started, bit 1 trusted), uvarint seq
+//	uvarint  block runs     ≤ 2^20, each: str endpoint, uvarint rank,
+//	                        u8 medium (0 GPU, 1 CPU, 2 disk), uvarint block
+//	                        size (1..65536), uvarint factor (1..1024),
+//	                        uvarint n, n × (u64le engine hash, u64le key);
+//	                        at most 65,536 blocks in a chunk
+//	u8       latency        0 or 1, then: 7 × f64 coefficients, uvarint
+//	                        observations, 25 + 5 f64 (TTFT fit: S, xy),
+//	                        4 + 2 f64 (decode fit)
+//	uvarint  speeds         ≤ 2^20, each: str endpoint, varint rank, f64
+//	                        mean, f64 precision, f64 running, uvarint
+//	                        observations (uint32), uvarint age ms (uint32)
+//	uvarint  arms           ≤ 2^20, each: str endpoint, varint rank,
+//	                        uvarint updates, 81 f64 (A), 9 f64 (b)
+//	uvarint  betas          ≤ 2^20, each: str endpoint, f64 α, f64 β,
+//	                        uvarint rewards, f64 last reward, 20 EMAs
+//	                        (18 buckets, 2 overall): u8 set (0/1), f64
+//	u8       baselines      0 or 1, then 2 EMAs
+//	uvarint  sessions       ≤ 2^20, each: str tenant, str prefix id,
+//	                        uvarint total, uvarint processed (both ≤
+//	                        2^31−1), u8 pinned (0/1), if pinned: str
+//	                        endpoint, varint rank, f64 decode cost, f64
+//	                        prefill cost, f64 iat factor, uvarint pin age
+//	                        ms; then uvarint idle ms (uint32)
+//
+// [SplitState] cuts a state into chunk bodies of at most [ChunkBudget]
+// bytes (long block runs into several), so that every chunk is one
+// message. The values mean what routing/warmstate says; their ranges
+// beyond the above (a precision > 0, a Beta parameter > 0) are the
+// importers' to check.
 //
 // Varints need not be minimal: a decoder accepts any encoding
 // encoding/binary accepts, and [Append] always writes the minimal one.

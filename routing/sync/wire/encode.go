@@ -23,7 +23,7 @@ func Append(dst []byte, m *Message) ([]byte, error) {
 }
 
 func appendMessage(b []byte, m *Message, start int) ([]byte, error) {
-	if m.Kind < KindBatch || m.Kind > KindKVEvents {
+	if m.Kind < KindBatch || m.Kind > KindStateChunk {
 		return b, fmt.Errorf("%w: unknown message kind %d", ErrMalformed, m.Kind)
 	}
 	if err := checkLen("pool", len(m.Pool), MaxIDLen); err != nil {
@@ -48,6 +48,10 @@ func appendMessage(b []byte, m *Message, start int) ([]byte, error) {
 		b = binary.AppendUvarint(b, uint64(m.Heartbeat.Interval))
 	case KindKVEvents:
 		b, err = appendKVEvents(b, &m.KVEvents)
+	case KindStateRequest:
+		b, err = appendStateRequest(b, &m.StateRequest)
+	case KindStateChunk:
+		b, err = appendStateChunk(b, &m.StateChunk, start)
 	}
 	return b, err
 }

@@ -54,7 +54,7 @@ func hostile() [][]byte {
 		}
 		out = append(out, b)
 	}
-	return out
+	return append(out, hostileState()...)
 }
 
 // TestHostileMemoryBudget decodes 1,000 hostile 64-byte messages, each

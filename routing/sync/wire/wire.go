@@ -55,6 +55,11 @@ const (
 	KindHeartbeat Kind = 3
 	// KindKVEvents: a worker's KV events, republished.
 	KindKVEvents Kind = 4
+	// KindStateRequest: a starting replica asks a peer for its state
+	// (the warm start, state.go).
+	KindStateRequest Kind = 5
+	// KindStateChunk: one chunk of a peer's state, the answer.
+	KindStateChunk Kind = 6
 )
 
 // String names the kind.
@@ -68,6 +73,10 @@ func (k Kind) String() string {
 		return "heartbeat"
 	case KindKVEvents:
 		return "kv_events"
+	case KindStateRequest:
+		return "state_request"
+	case KindStateChunk:
+		return "state_chunk"
 	}
 	return "unknown"
 }
@@ -97,6 +106,10 @@ type Message struct {
 	Heartbeat Heartbeat
 	// KVEvents is the body of KindKVEvents.
 	KVEvents KVEvents
+	// StateRequest and StateChunk are the bodies of KindStateRequest and
+	// KindStateChunk (state.go).
+	StateRequest StateRequest
+	StateChunk   StateChunk
 }
 
 // ItemKind is a batch item's kind.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"maps"
 	"math"
 	"reflect"
 	"strings"
@@ -66,7 +67,7 @@ func validMessages() map[string]*wire.Message {
 	disaggDone.ID, disaggDone.Prefilled, disaggDone.PrefillDPRank = 11, true, 2
 	disaggExtreme := extreme
 	disaggExtreme.PrefillEndpoint, disaggExtreme.PrefillDPRank, disaggExtreme.PrefillCached = "\xff", math.MinInt32, math.MaxUint32
-	return map[string]*wire.Message{
+	msgs := map[string]*wire.Message{
 		"batch-pd": {
 			Kind: wire.KindBatch, Pool: "default", Replica: "r-pd", Epoch: 12, Seq: 4,
 			Batch: []wire.Item{wire.StartItem(disagg), wire.StartItem(fullStart(12, 2)), wire.FirstItem(10), wire.StartItem(disaggDone), wire.StartItem(disaggExtreme)},
@@ -101,6 +102,8 @@ func validMessages() map[string]*wire.Message {
 		},
 		"kvevents-empty": {Kind: wire.KindKVEvents, KVEvents: wire.KVEvents{Endpoint: "e"}},
 	}
+	maps.Copy(msgs, validStateMessages())
+	return msgs
 }
 
 func encode(t testing.TB, m *wire.Message) []byte {
@@ -227,7 +230,7 @@ func TestAppendRejects(t *testing.T) {
 		want error
 	}{
 		{"kind 0", &wire.Message{}, wire.ErrMalformed},
-		{"kind 5", &wire.Message{Kind: 5}, wire.ErrMalformed},
+		{"kind 7", &wire.Message{Kind: 7}, wire.ErrMalformed},
 		{"item kind 0", &wire.Message{Kind: wire.KindBatch, Batch: []wire.Item{{}}}, wire.ErrMalformed},
 		{"item kind 5", &wire.Message{Kind: wire.KindBatch, Batch: []wire.Item{wire.EndItem(1), {Kind: 5}}}, wire.ErrMalformed},
 	} {
@@ -263,7 +266,7 @@ func TestDecodeErrors(t *testing.T) {
 		{"version 2", withVersion(2), wire.ErrVersion},
 		{"version only 2", []byte{2}, wire.ErrVersion},
 		{"kind 0", withKind(0), wire.ErrMalformed},
-		{"kind 5", withKind(5), wire.ErrMalformed},
+		{"kind 7", withKind(7), wire.ErrMalformed},
 		{"kind 255", withKind(255), wire.ErrMalformed},
 		{"trailing byte", append(bytes.Clone(valid), 0), wire.ErrMalformed},
 		{"item kind 0", append(envelope(wire.KindBatch), 1, 0, 1), wire.ErrMalformed},
