@@ -534,12 +534,24 @@ func runHonest(t *testing.T, r honestRun) *honestFleet {
 		}
 	}
 	decided.Wait()
-	// The last outcomes wait for the next scrapes' counts.
-	deadline := time.Now().Add(3 * time.Second)
-	for _, n := range h.nodes {
-		for n.s.pendingOutcomes() > 0 && time.Now().Before(deadline) {
-			time.Sleep(10 * time.Millisecond)
+	// The last outcomes wait for the next scrapes' counts (and some may
+	// still be on their way): until none is pending on two looks a scrape
+	// apart, at most 3 s.
+	idle := func() bool {
+		for _, n := range h.nodes {
+			if n.s.pendingOutcomes() > 0 {
+				return false
+			}
 		}
+		return true
+	}
+	for deadline, quiet := time.Now().Add(3*time.Second), 0; quiet < 2 && time.Now().Before(deadline); {
+		if idle() {
+			quiet++
+		} else {
+			quiet = 0
+		}
+		time.Sleep(250 * time.Millisecond)
 	}
 	close(stop)
 	wg.Wait()
