@@ -100,7 +100,7 @@ const (
 	vouchCounter                  // the worker's count of finished requests
 )
 
-// recordOwn counts one of this replica's own outcomes (s.lmu held): a
+// recordOwnLocked counts one of this replica's own outcomes (s.lmu held): a
 // success on the endpoint that served it.
 func (s *Syncer) recordOwnLocked(ep routing.EndpointKey, at time.Time) {
 	if s.own == nil {
