@@ -459,20 +459,27 @@ func (f *forgedFleet) baseline(t *testing.T, warm, d time.Duration) *phase {
 
 // honest checks honest replicas under real load against the real
 // workers' counts: nothing refuted, nobody quarantined, nothing refused
-// but the outcomes of decisions no scrape saw open.
+// but outcomes no worker count covered (outcome_unvouched), and at
+// least 95% of the peers' outcomes held for the workers' counts of
+// finished requests learnt.
 func (f *forgedFleet) honest(t *testing.T, what string) {
 	t.Helper()
 	refuted, q := f.counters(t, "kvbandit_sync_refuted_total", nil), f.counters(t, "kvbandit_sync_quarantined_total", nil)
 	reasons := f.reasons(t, "kvbandit_sync_rejected_total")
+	vouched := f.counters(t, "kvbandit_sync_outcomes_vouched_total", nil)
 	unvouched := reasons["outcome_unvouched"]
 	other := -unvouched
 	for _, n := range reasons {
 		other += n
 	}
-	t.Logf("%s (%s), honest replicas only: %v refuted, %v quarantined, refused by reason %v; %v outcomes of decisions that began and ended between two scrapes not learnt",
-		what, f.policy, refuted, q, reasons, unvouched)
+	share := vouched / max(vouched+unvouched, 1)
+	t.Logf("%s (%s), honest replicas only: %v refuted, %v quarantined, refused by reason %v; peers' outcomes learnt with the workers' counts: %v of %v (%.1f%%)",
+		what, f.policy, refuted, q, reasons, vouched, vouched+unvouched, 100*share)
 	if refuted != 0 || q != 0 || other != 0 {
 		t.Errorf("%s: honest replicas were refuted (%v), quarantined (%v) or refused (%v)", what, refuted, q, other)
+	}
+	if vouched == 0 || share < 0.95 {
+		t.Errorf("%s: the honest replicas learnt %.1f%% of their peers' outcomes (%v), want at least 95%%", what, 100*share, vouched)
 	}
 }
 
@@ -684,12 +691,16 @@ func forgedLearningCases(t *testing.T) {
 	// The bandit learns the workers' speeds first (not measured).
 	base := f.baseline(t, 5*time.Second, 8*time.Second)
 	t.Run("forged outcomes", func(t *testing.T) {
-		// 1 us TTFT on the slowest endpoint, 4,000 s on the others: for
-		// decisions never started, and for decisions started and ended
-		// in the same batch (no worker ever saw them).
+		// 1 us TTFT on the slowest endpoint, 4,000 s on the others, as
+		// successes: for decisions never started, and for decisions
+		// started and ended in the same batch (no worker ever ran them:
+		// the workers' counts of finished requests do not cover them).
 		r := newRogue(t, f.nats)
 		before := f.speedFactors(t)
-		outcomeReasons := []string{"outcome_unmatched", "outcome_unvouched", "outcome_implausible", "outcome_duplicate", "outcome_mismatch", "outcome_refuted"}
+		outcomeReasons := []string{"outcome_unmatched", "outcome_unvouched", "outcome_implausible", "outcome_duplicate", "outcome_mismatch", "outcome_refuted",
+			"outcome_pending_full", "outcome_peer_gone", "quarantined"}
+		vouched0 := f.counters(t, "kvbandit_sync_outcomes_vouched_total", nil)
+		q0 := f.counters(t, "kvbandit_sync_quarantined_total", nil)
 		dropped := func() (n float64) {
 			for _, r := range outcomeReasons {
 				n += f.counters(t, "kvbandit_sync_rejected_total", map[string]string{"reason": r})
@@ -709,7 +720,7 @@ func forgedLearningCases(t *testing.T) {
 						ep, ttft = workers[i%3], 4000e6
 					}
 					id++
-					o := wire.Outcome{ID: id, Endpoint: ep, DPRank: -1, Kind: 1, Status: 200, TTFTMicros: ttft, LatencyMicros: ttft,
+					o := wire.Outcome{ID: id, Endpoint: ep, DPRank: -1, Kind: 0, Status: 200, TTFTMicros: ttft, LatencyMicros: ttft,
 						PromptTokens: 100, CompletionTokens: 20, CachedTokens: -1, BlockSize: 16, ISL: 100}
 					if i%7 == 0 {
 						items = append(items, wire.StartItem(wire.Start{ID: id, Endpoint: ep, DPRank: -1, BlockSize: 16, ISL: 100, TTL: 60000}), wire.EndItem(id))
@@ -725,8 +736,11 @@ func forgedLearningCases(t *testing.T) {
 		time.Sleep(forgedPeerTTL + 500*time.Millisecond)
 		after := f.speedFactors(t)
 		gone := dropped() - rejected0
-		t.Logf("forged outcomes: %d sent, %v dropped over 3 replicas (%.1f%% of 3 x sent); speed factors before %v after %v",
-			sent.Load(), gone, 100*gone/float64(3*sent.Load()), before, after)
+		reasons := f.reasons(t, "kvbandit_sync_rejected_total")
+		// "quarantined" counts the refused Starts of the rogue too.
+		t.Logf("forged outcomes: %d sent, %v items dropped over 3 replicas (%.1f%% of 3 x sent; all reasons so far %v); %v peers' outcomes learnt with the workers' counts meanwhile, the honest replicas' own being at most 2 x %d (each request's outcome reaches two peers); %v quarantines; speed factors before %v after %v",
+			sent.Load(), gone, 100*gone/float64(3*sent.Load()), reasons, f.counters(t, "kvbandit_sync_outcomes_vouched_total", nil)-vouched0, p.requests,
+			f.counters(t, "kvbandit_sync_quarantined_total", nil)-q0, before, after)
 		if gone < 0.95*float64(3*sent.Load()) {
 			t.Errorf("only %v of %d forged outcomes (x3 replicas) dropped", gone, 3*sent.Load())
 		}

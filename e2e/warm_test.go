@@ -71,7 +71,7 @@ func startWarmFleet(t *testing.T) *warmFleet {
 	cfg := map[string]any{"endpoints": recs, "sync": map[string]any{
 		"heartbeat_interval_ms": replicasHeartbeat.Milliseconds(), "peer_ttl_ms": replicasPeerTTL.Milliseconds(),
 		"snapshot_interval_ms": replicasSnapshot.Milliseconds(),
-		"nats": map[string]any{"user": syncNATSUser, "password": syncNATSPassword}}}
+		"nats":                 map[string]any{"user": syncNATSUser, "password": syncNATSPassword}}}
 	b, err := json.Marshal(cfg) // JSON is YAML
 	if err != nil {
 		t.Fatal(err)

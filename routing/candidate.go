@@ -22,6 +22,13 @@ type Load struct {
 	// KVBlocks is the worker's KV cache size in blocks of its block size
 	// (vllm:cache_config_info num_gpu_blocks, per engine); 0: unknown.
 	KVBlocks int
+	// Finished is the worker's own count of the requests it finished
+	// since it started (vllm:request_success_total,
+	// sglang:num_requests_total), from every router; FinishedKnown is
+	// false when the worker does not export it. routing/sync vouches for
+	// peers' outcomes with its increase between two scrapes.
+	Finished      float64
+	FinishedKnown bool
 }
 
 // Candidate is one (endpoint, data-parallel rank) that a policy may choose,

@@ -74,6 +74,7 @@ type Worker struct {
 	cfg        Config
 	failStatus atomic.Int64
 	running    atomic.Int64
+	finished   atomic.Int64 // vllm:request_success_total
 	scrapes    atomic.Int64
 
 	mu       sync.Mutex
@@ -163,6 +164,10 @@ func (w *Worker) SetFailStatus(code int) { w.failStatus.Store(int64(code)) }
 
 // Running is the number of completion requests in progress.
 func (w *Worker) Running() int { return int(w.running.Load()) }
+
+// Finished is the number of completion requests that generated all their
+// tokens (vllm:request_success_total).
+func (w *Worker) Finished() int64 { return w.finished.Load() }
 
 // Scrapes counts monitoring requests that did not come through the data
 // plane.
@@ -303,8 +308,11 @@ func (w *Worker) route(rw *statusWriter, r *http.Request, body []byte) {
 			"vllm:num_requests_waiting{model_name=%q} 0\n"+
 			"# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"+
 			"# TYPE vllm:kv_cache_usage_perc gauge\n"+
-			"vllm:kv_cache_usage_perc{model_name=%q} 0\n",
-			w.cfg.Model, w.running.Load(), w.cfg.Model, w.cfg.Model)
+			"vllm:kv_cache_usage_perc{model_name=%q} 0\n"+
+			"# HELP vllm:request_success_total Count of successfully processed requests.\n"+
+			"# TYPE vllm:request_success_total counter\n"+
+			"vllm:request_success_total{finished_reason=\"stop\",model_name=%q} %d\n",
+			w.cfg.Model, w.running.Load(), w.cfg.Model, w.cfg.Model, w.cfg.Model, w.finished.Load())
 	case "/v1/models":
 		writeJSON(rw, http.StatusOK, map[string]any{
 			"object": "list",
@@ -385,6 +393,7 @@ func (w *Worker) complete(rw *statusWriter, r *http.Request, body []byte, chat b
 				return
 			}
 		}
+		w.finished.Add(1) // as vLLM: when the engine finishes, before the response is out
 		text := Text(n)
 		choice := map[string]any{"index": 0, "finish_reason": "stop", "text": text}
 		if chat {
@@ -434,6 +443,7 @@ func (w *Worker) complete(rw *statusWriter, r *http.Request, body []byte, chat b
 			return
 		}
 	}
+	w.finished.Add(1)
 	final := map[string]any{"index": 0, "text": "", "finish_reason": "stop"}
 	if chat {
 		final = map[string]any{"index": 0, "delta": map[string]any{}, "finish_reason": "stop"}

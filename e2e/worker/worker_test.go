@@ -169,16 +169,24 @@ func TestErrorsAndEndpoints(t *testing.T) {
 		t.Errorf("health: %d", code)
 	}
 	if code, b := get("/metrics"); code != 200 || !strings.Contains(b, `vllm:num_requests_running{model_name="test-model"} 0`) ||
-		!strings.Contains(b, "vllm:num_requests_waiting") {
+		!strings.Contains(b, "vllm:num_requests_waiting") || !strings.Contains(b, `vllm:request_success_total{finished_reason="stop",model_name="test-model"} 0`) {
 		t.Errorf("metrics: %d %s", code, b)
+	}
+	// A request that generates its tokens is counted as finished; failed
+	// ones were not.
+	if resp, _ := post(t, c, w.URL()+"/v1/completions", `{"model":"test-model","prompt":"x"}`); resp.StatusCode != 200 {
+		t.Errorf("completion: %d", resp.StatusCode)
+	}
+	if code, b := get("/metrics"); code != 200 || !strings.Contains(b, `vllm:request_success_total{finished_reason="stop",model_name="test-model"} 1`) || w.Finished() != 1 {
+		t.Errorf("metrics after one completion: %d %s", code, b)
 	}
 	// /health and /metrics asked directly (no destination header) are
 	// monitoring, counted apart from routed requests.
-	if n := len(w.Requests()); n != 4 {
-		t.Errorf("%d requests recorded, want 4", n)
+	if n := len(w.Requests()); n != 5 {
+		t.Errorf("%d requests recorded, want 5", n)
 	}
-	if n := w.Scrapes(); n != 2 {
-		t.Errorf("%d monitoring requests counted, want 2", n)
+	if n := w.Scrapes(); n != 3 {
+		t.Errorf("%d monitoring requests counted, want 3", n)
 	}
 }
 

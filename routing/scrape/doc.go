@@ -2,8 +2,10 @@
 // Prometheus /metrics endpoints.
 //
 // [Parse] turns one text exposition into a [Sample]: waiting and running
-// requests, KV cache usage, the KV block size, LoRA adapters and per-rank
-// load for data-parallel workers. A [Scraper] polls every target each
+// requests, KV cache usage, the KV block size, LoRA adapters, the count
+// of requests the worker finished (vllm:request_success_total,
+// sglang:num_requests_total: routing/sync vouches for peers' outcomes
+// with it) and per-rank load for data-parallel workers. A [Scraper] polls every target each
 // interval with bounded concurrency, publishes each good sample, and marks
 // a target stale when it has not answered for a while. [EnginePublish]
 // hands samples to a [engine.Engine] (load, block size, per-rank load and

@@ -69,7 +69,7 @@ func (s Sample) rankLoads() []routing.Load {
 		if r.Rank != i {
 			return nil
 		}
-		out[i] = routing.Load{Waiting: r.Waiting, Running: r.Running, KVUsage: r.KVUsage, Known: s.Known, Stale: s.Stale}
+		out[i] = routing.Load{Waiting: r.Waiting, Running: r.Running, KVUsage: r.KVUsage, Known: s.Known, Stale: s.Stale, Finished: r.Finished, FinishedKnown: s.FinishedKnown}
 	}
 	return out
 }

@@ -222,8 +222,8 @@ func TestEnginePublishRankLoads(t *testing.T) {
 	}
 	var rec rankRecorder
 	scrape.EnginePublish(&rec)(scrape.Target{Key: "10.0.0.1:8000"}, s)
-	want := []routing.Load{{Waiting: 1, Running: 3, KVUsage: 0.1, Known: true}, {Waiting: 3, Running: 4, KVUsage: 0.2, Known: true}}
-	if !cmp.Equal(rec.ranks, want) || !rec.load.Known || !cmp.Equal(rec.adapters, []routing.ModelName{"chat-lora", "sql-lora", "tool-lora"}) {
+	want := []routing.Load{{Waiting: 1, Running: 3, KVUsage: 0.1, Known: true, Finished: 51, FinishedKnown: true}, {Waiting: 3, Running: 4, KVUsage: 0.2, Known: true, Finished: 51, FinishedKnown: true}}
+	if !cmp.Equal(rec.ranks, want) || !rec.load.Known || rec.load.Finished != 102 || !rec.load.FinishedKnown || !cmp.Equal(rec.adapters, []routing.ModelName{"chat-lora", "sql-lora", "tool-lora"}) {
 		t.Fatalf("published ranks %+v, load %+v, adapters %v", rec.ranks, rec.load, rec.adapters)
 	}
 	rec = rankRecorder{}

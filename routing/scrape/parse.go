@@ -39,6 +39,9 @@ type RankLoad struct {
 	Waiting float64
 	Running float64
 	KVUsage float64
+	// Finished is the rank's count of finished requests (see
+	// Sample.Finished).
+	Finished float64
 }
 
 // Sample is one scrape of an endpoint's /metrics.
@@ -64,6 +67,14 @@ type Sample struct {
 	// newest vllm:lora_requests_info series; MaxLoRA is its max_lora.
 	Adapters []string
 	MaxLoRA  int
+	// Finished is the worker's count of requests it finished since it
+	// started, summed over every series (finish reasons, models, ranks):
+	// vLLM's vllm:request_success_total (llm-d-inference-sim's too),
+	// SGLang's sglang:num_requests_total. FinishedKnown is false when the
+	// body has none of them. A counter: it only grows, until the worker
+	// restarts.
+	Finished      float64
+	FinishedKnown bool
 	// Ranks holds per-rank load, sorted by rank, when the series carry a
 	// rank label; nil otherwise.
 	Ranks []RankLoad
@@ -73,7 +84,8 @@ type Sample struct {
 
 // Load returns the sample as a routing load.
 func (s Sample) Load() routing.Load {
-	return routing.Load{Waiting: s.Waiting, Running: s.Running, KVUsage: s.KVUsage, Known: s.Known, Stale: s.Stale, KVBlocks: s.NumGPUBlocks}
+	return routing.Load{Waiting: s.Waiting, Running: s.Running, KVUsage: s.KVUsage, Known: s.Known, Stale: s.Stale, KVBlocks: s.NumGPUBlocks,
+		Finished: s.Finished, FinishedKnown: s.FinishedKnown}
 }
 
 // kind is a load signal a metric name maps to.
@@ -86,6 +98,7 @@ const (
 	kindKVUsage
 	kindCacheConfig
 	kindLoRA
+	kindFinished
 )
 
 // kinds maps normalised metric names (see normalize) to signals.
@@ -99,6 +112,9 @@ var kinds = map[string]kind{
 	"sglang_num_queue_reqs":     kindWaiting,
 	"sglang_num_running_reqs":   kindRunning,
 	"sglang_token_usage":        kindKVUsage,
+	// Counters of finished requests (normalised: no "_total").
+	"vllm_request_success": kindFinished,
+	"sglang_num_requests":  kindFinished,
 }
 
 // normalize lower-cases a metric name, turns colons into underscores and
@@ -248,7 +264,8 @@ func (l *limitedReader) Read(p []byte) (int, error) {
 // with or without a "_total" suffix. Request counts are summed over every
 // label set (models, ranks); KV usage is the maximum. A NaN, infinite or
 // negative value is skipped, as if the series were absent; KV usage above 1
-// is clamped to 1. Parse never panics; errors wrap ErrTooLarge,
+// is clamped to 1. The counters of finished requests are summed like the
+// request counts (Sample.Finished). Parse never panics; errors wrap ErrTooLarge,
 // ErrMalformed, ErrNoLoadMetrics or the reader's own error.
 func Parse(r io.Reader, limit int64) (Sample, error) {
 	fams, err := loadFamilies(r, limit)
@@ -395,6 +412,12 @@ func (a *accumulator) add(k kind, m *dto.Metric) {
 		if l.rank >= 0 {
 			rl := a.rank(l.rank)
 			rl.KVUsage = max2(rl.KVUsage, v)
+		}
+	case kindFinished:
+		s.FinishedKnown = true
+		s.Finished += v
+		if l.rank >= 0 {
+			a.rank(l.rank).Finished += v
 		}
 	case kindCacheConfig:
 		if n := atoiPos(l.blockSize); n > 0 {

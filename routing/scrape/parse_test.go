@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"errors"
 	"math"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -24,15 +26,18 @@ func TestParseVLLM(t *testing.T) {
 		Waiting: 1 + 3, Running: 3 + 4, KVUsage: 0.2, Known: true,
 		BlockSize: 16, NumGPUBlocks: 27873,
 		Adapters: []string{"chat-lora", "sql-lora", "tool-lora"}, MaxLoRA: 4,
+		// vllm:request_success_total: 17 per finish reason (stop, length,
+		// abort) and rank.
+		Finished: 2 * 3 * 17, FinishedKnown: true,
 		Ranks: []scrape.RankLoad{
-			{Rank: 0, Waiting: 1, Running: 3, KVUsage: 0.1},
-			{Rank: 1, Waiting: 3, Running: 4, KVUsage: 0.2},
+			{Rank: 0, Waiting: 1, Running: 3, KVUsage: 0.1, Finished: 51},
+			{Rank: 1, Waiting: 3, Running: 4, KVUsage: 0.2, Finished: 51},
 		},
 	}
 	if d := cmp.Diff(want, got, cmpopts.EquateApprox(0, 1e-9)); d != "" {
 		t.Errorf("Parse (-want +got):\n%s", d)
 	}
-	if l := got.Load(); l != (routing.Load{Waiting: 4, Running: 7, KVUsage: got.KVUsage, Known: true, KVBlocks: 27873}) {
+	if l := got.Load(); l != (routing.Load{Waiting: 4, Running: 7, KVUsage: got.KVUsage, Known: true, KVBlocks: 27873, Finished: 102, FinishedKnown: true}) {
 		t.Errorf("Load() = %+v", l)
 	}
 }
@@ -46,6 +51,67 @@ func TestParseSGLang(t *testing.T) {
 	want := scrape.Sample{Waiting: 2826, Running: 162, KVUsage: 0.28, Known: true}
 	if d := cmp.Diff(want, got); d != "" {
 		t.Errorf("Parse (-want +got):\n%s", d)
+	}
+}
+
+// TestParseFinished: the workers' counters of finished requests, summed
+// over their series, from fixtures: vLLM's vllm:request_success_total
+// (every finish reason, per engine), SGLang's sglang:num_requests_total
+// (not its received or aborted counters), llm-d-inference-sim's
+// finish_reason label; absent, FinishedKnown is false.
+func TestParseFinished(t *testing.T) {
+	t.Parallel()
+	read := func(name string) string {
+		b, err := os.ReadFile(filepath.Join("testdata", name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(b)
+	}
+	tests := []struct {
+		name, body string
+		finished   float64
+		known      bool
+		ranks      []float64
+	}{
+		{"vllm fixture", read("vllm_lora.metrics"), 196 + 4 + 0, true, nil},
+		{"sglang fixture", read("sglang_finished.metrics"), 27, true, nil},
+		{"sglang docs sample, no counter", sglangMetrics, 0, false, nil},
+		{"llm-d-inference-sim", `# TYPE vllm:request_success_total counter
+vllm:request_success_total{finish_reason="stop",model_name="m"} 5
+vllm:request_success_total{finish_reason="length",model_name="m"} 2
+vllm:request_success_total{finish_reason="remote_decode",model_name="m"} 1
+vllm:num_requests_running{model_name="m"} 0
+`, 8, true, nil},
+		{"a zero counter is known", "vllm:request_success_total 0\nvllm:num_requests_running 0\n", 0, true, nil},
+		{"per rank", `vllm:request_success_total{engine="1",finished_reason="stop"} 4
+vllm:request_success_total{engine="0",finished_reason="stop"} 6
+vllm:request_success_total{engine="0",finished_reason="length"} 1
+vllm:num_requests_running{engine="0"} 1
+vllm:num_requests_running{engine="1"} 1
+`, 11, true, []float64{7, 4}},
+		{"negative and NaN skipped", "vllm:request_success_total{a=\"1\"} -3\nvllm:request_success_total{a=\"2\"} NaN\nvllm:request_success_total{a=\"3\"} 2\nvllm:num_requests_running 0\n", 2, true, nil},
+		{"the _created gauge ignored", "# TYPE vllm:request_success_created gauge\nvllm:request_success_created 1.7e+09\nvllm:num_requests_running 0\n", 0, false, nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			got, err := scrape.Parse(strings.NewReader(tt.body), 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got.Finished != tt.finished || got.FinishedKnown != tt.known {
+				t.Errorf("Finished = %v (known %v), want %v (%v)", got.Finished, got.FinishedKnown, tt.finished, tt.known)
+			}
+			if l := got.Load(); l.Finished != tt.finished || l.FinishedKnown != tt.known {
+				t.Errorf("Load() = %+v", l)
+			}
+			for i, want := range tt.ranks {
+				if got.Ranks[i].Finished != want {
+					t.Errorf("rank %d finished %v, want %v", i, got.Ranks[i].Finished, want)
+				}
+			}
+		})
 	}
 }
 
@@ -126,6 +192,7 @@ func TestParseErrors(t *testing.T) {
 func FuzzParse(f *testing.F) {
 	f.Add([]byte(vllmMetrics(2)))
 	f.Add([]byte(sglangMetrics))
+	f.Add([]byte("vllm:request_success_total{engine=\"0\",finished_reason=\"stop\"} 3\nvllm:num_requests_running 1\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		s, err := scrape.Parse(bytes.NewReader(data), 1<<20)
 		if err != nil {
@@ -134,7 +201,10 @@ func FuzzParse(f *testing.F) {
 			}
 			return
 		}
-		for _, v := range []float64{s.Waiting, s.Running} {
+		if !s.FinishedKnown && s.Finished != 0 {
+			t.Fatalf("unknown finished count %v", s.Finished)
+		}
+		for _, v := range []float64{s.Waiting, s.Running, s.Finished} {
 			if math.IsNaN(v) || v < 0 {
 				t.Fatalf("bad count %v in %+v", v, s)
 			}

@@ -2,6 +2,7 @@ package sync
 
 import (
 	"fmt"
+	"log/slog"
 	"testing"
 	"time"
 
@@ -110,6 +111,69 @@ func BenchmarkClaimCheck(b *testing.B) {
 			}
 			if n := s.remoteOpen(); n != c.peers*c.each {
 				b.Fatalf("%d decisions left of %d: the check refuted some", n, c.peers*c.each)
+			}
+		})
+	}
+}
+
+// BenchmarkOutcomeCheck is one scrape's worth of peers' outcomes on every
+// endpoint held for the workers' counts, then the check that learns them
+// (completions.go): receive pays hold per outcome, the flusher the check
+// once per scrape. The counts cover every outcome (the usual case).
+//
+//	go test -run '^$' -bench OutcomeCheck -benchmem ./routing/sync/
+func BenchmarkOutcomeCheck(b *testing.B) {
+	for _, c := range []struct{ peers, each int }{{3, 100}, {16, 1000}} {
+		b.Run(fmt.Sprintf("peers=%d/outcomes=%d", c.peers, c.each), func(b *testing.B) {
+			pol, err := policy.Builtin().New("least_loaded", policy.Deps{Rand: routing.NewRand(1)})
+			if err != nil {
+				b.Fatal(err)
+			}
+			e := engine.Must(pol, engine.Options{}, engine.Deps{Rand: routing.NewRand(1), Logger: slog.New(slog.DiscardHandler)})
+			b.Cleanup(e.Close)
+			if err := e.Update(routing.EndpointSet{Source: "bench", Endpoints: testFleet}); err != nil {
+				b.Fatal(err)
+			}
+			s, err := New(Config{Servers: []string{"nats://127.0.0.1:1"}, Pool: "p", Replica: "me", Token: "t",
+				Claims: ClaimCheck{PendingOutcomes: 1 << 16, PendingOutcomesTotal: 1 << 20, PendingOutcomeBytes: 1 << 30}}, Deps{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			s.eng = e
+			peers := make([]*peer, c.peers)
+			ros := make([]routing.RemoteOutcome, c.peers)
+			for i := range peers {
+				peers[i] = &peer{replica: fmt.Sprintf("peer-%d", i)}
+				it := outcome(1, string(testFleet[0].Key), time.Millisecond, 2*time.Millisecond)
+				ros[i] = remoteOutcome(&it.Outcome)
+				ros[i].Peer = peers[i].replica
+			}
+			now := time.Now()
+			w := 0.0
+			fresh := make([]freshLoad, len(testFleet))
+			check := func() {
+				now = now.Add(time.Second)
+				for i, ep := range testFleet {
+					fresh[i] = freshLoad{sl: engine.ScrapedLoad{Endpoint: ep.Key, At: now, Load: routing.Load{Known: true, Finished: w, FinishedKnown: true}}}
+				}
+				s.checkCompletions(fresh, now, map[*peer]int{})
+			}
+			check() // the baselines
+			b.ReportAllocs()
+			for b.Loop() {
+				at := now.Add(100 * time.Millisecond)
+				for _, ep := range testFleet {
+					for i := range c.peers * c.each / len(testFleet) {
+						ro := ros[i%c.peers]
+						ro.Endpoint = ep.Key
+						s.hold(peers[i%c.peers], ro, false, ep.Key, at)
+					}
+				}
+				w += float64(c.peers * c.each / len(testFleet))
+				check()
+			}
+			if s.done.n != 0 {
+				b.Fatalf("%d outcomes left pending", s.done.n)
 			}
 		})
 	}

@@ -114,19 +114,28 @@
 //     claimants first (max-min fair shares), and a peer refuted again and
 //     again, or by 32 decisions at once, is quarantined for a minute;
 //   - outcomes: learnt only for the peer's own decisions applied here, not
-//     refuted, vouched for by a fresh scrape (where the endpoint's load is
-//     fresh), once each, with that decision's endpoint and rank, and with
+//     refuted, once each, with that decision's endpoint and rank, and with
 //     a TTFT and latency that fit how long the decision was open on this
-//     replica's clock; RemoteOutcome.Peer names the peer, and the engine
-//     forgets a peer's teaching (Engine.ForgetPeer) when the peer goes
-//     silent, is evicted as a newcomer or is quarantined;
+//     replica's clock; where the endpoint's load is fresh, vouched for by
+//     the workers: a success on an endpoint that exports its count of
+//     finished requests (vllm:request_success_total,
+//     sglang:num_requests_total) waits in a bounded queue for the next
+//     scrape, whose increase, less this replica's own outcomes there,
+//     is how many of the peers' outcomes are learnt (max-min fair
+//     between peers, oldest first; the rest dropped, and the peer that
+//     loses the most gets a strike: completions.go), and any other
+//     outcome needs a scrape that counted its decision open (vouch.go);
+//     RemoteOutcome.Peer names the peer, and the engine forgets a peer's
+//     teaching (Engine.ForgetPeer) when the peer goes silent, is evicted
+//     as a newcomer or is quarantined;
 //   - identity: another epoch of a live peer's id is taken for its restart
 //     only once that epoch alone has been heard for two heartbeat
 //     intervals, so a client that flips a real peer's epoch cannot end the
 //     peer's decisions at every message.
 //
 // Without fresh load (no /metrics, stale or failed scrapes) only the caps
-// apply. docs/security.md lists every bound with the test that proves it.
+// apply. Peers' outcomes held for a count are learnt up to a scrape
+// interval (and a sweep) late. docs/security.md lists every bound with the test that proves it.
 //
 // # Concurrency
 //

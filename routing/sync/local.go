@@ -1,6 +1,7 @@
 package sync
 
 import (
+	"cmp"
 	"errors"
 	"math"
 	"time"
@@ -86,6 +87,10 @@ func (s *Syncer) OnDone(d *routing.Decision, o routing.Outcome) {
 		delete(s.inflight, id)
 		delete(s.inflightAt, id)
 		s.enqueueLocked(wire.EndItem(id), 12)
+	}
+	if o.Kind == routing.OutcomeSuccess && !o.ServedUnknown && !s.cfg.Claims.Disabled {
+		// The worker counted it finished: not one of the peers'.
+		s.recordOwnLocked(cmp.Or(o.Served, d.Endpoint), s.clk.Now())
 	}
 	if teach {
 		s.enqueueLocked(wire.OutcomeItem(out), outcomeSize(&out))

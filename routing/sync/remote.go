@@ -330,6 +330,7 @@ func (s *Syncer) sweep() {
 		p.trust.pruneEnded(now, 2*s.cfg.OutcomeSlack+s.cfg.BatchInterval, s.cfg.MaxRemoteTTL)
 	}
 	s.checkClaims(fresh, now)
+	s.expirePending(now)
 }
 
 // takeEpoch reports whether a message of peer p's id with another epoch

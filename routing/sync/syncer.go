@@ -312,6 +312,10 @@ type Syncer struct {
 	// inflightAt is when each in-flight decision was made (s.clk), for
 	// the claim checks (vouch.go).
 	inflightAt map[uint64]time.Time
+	// own is when this replica's own successful outcomes ended, per
+	// endpoint (unix ns, s.clk), until a check counts them
+	// (completions.go).
+	own map[routing.EndpointKey][]int64
 
 	// Remote side.
 	rmu    stdsync.Mutex
@@ -340,6 +344,9 @@ type Syncer struct {
 	// claims is the flusher's state of the claim check (sweep).
 	refuteLines, claimLines lineBudget
 	claims                  claimCheckState
+	// done holds peers' outcomes waiting for a worker's count of
+	// finished requests (completions.go; s.rmu).
+	done completions
 }
 
 // New checks cfg and makes a Syncer. It does not connect: its hooks may
@@ -628,6 +635,7 @@ func (s *Syncer) Close() error {
 			delete(s.peers, id)
 		}
 		s.suspects = nil
+		s.done = completions{}
 		s.rmu.Unlock()
 	})
 	return nil

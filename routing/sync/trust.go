@@ -131,28 +131,36 @@ func (p *peer) release(id uint64, r *remote, now time.Time, refuted, gone bool) 
 // applied here and not refuted, not learnt yet, with the decision's
 // endpoint and rank, timings that fit how long the decision was open on
 // this replica's clock, and, where the endpoint's load is freshly
-// scraped, vouched for by a scrape while it was open (a decision opened
-// and closed between two scrapes is one no worker saw). So a peer's
-// outcomes never outnumber its decisions the workers counted. Anything
-// else is counted by reason.
+// scraped, vouched for: a success on an endpoint that exports its count
+// of finished requests waits for the next scrape's count
+// (completions.go); any other, by a scrape that counted its decision
+// open (a decision opened and closed between two scrapes is one no
+// gauge saw). So a peer's outcomes never outnumber the requests the
+// workers counted. Anything else is counted by reason.
 func (s *Syncer) learn(p *peer, o *wire.Outcome, now time.Time) {
-	reason := s.checkOutcome(p, o, now)
+	reason, vouched := s.checkOutcome(p, o, now)
 	if reason != "" {
 		s.m.rejected.WithLabelValues(reason).Inc()
 		return
 	}
 	ro := remoteOutcome(o)
 	ro.Peer = p.replica
-	if err := s.eng.LearnRemote(ro); err != nil {
-		s.reject(err)
+	switch mode, ep := s.vouchModeOf(&ro, now); {
+	case mode == vouchCounter:
+		s.hold(p, ro, vouched, ep, now)
+	case mode == vouchScrape && !vouched:
+		s.m.rejected.WithLabelValues("outcome_unvouched").Inc()
+	default:
+		s.teach(ro)
 	}
 }
 
-// checkOutcome returns why o is not learnt ("" when it is) and marks its
-// decision learnt.
-func (s *Syncer) checkOutcome(p *peer, o *wire.Outcome, now time.Time) string {
+// checkOutcome returns why o is not learnt ("" when it may be) and
+// whether a scrape counted its decision open, and marks its decision
+// learnt.
+func (s *Syncer) checkOutcome(p *peer, o *wire.Outcome, now time.Time) (string, bool) {
 	if s.quarantined(p.replica, now) {
-		return "quarantined"
+		return "quarantined", false
 	}
 	var ep routing.EndpointKey
 	var rank int32
@@ -160,25 +168,25 @@ func (s *Syncer) checkOutcome(p *peer, o *wire.Outcome, now time.Time) string {
 	ended, vouched := false, false
 	if r, ok := p.decisions[o.ID]; ok {
 		if r.learned {
-			return "outcome_duplicate"
+			return "outcome_duplicate", false
 		}
 		r.learned = true
 		ep, rank, applied, until, vouched = r.endpoint, r.rank, r.applied, now, r.vouched
 	} else if d, ok := p.trust.ended[o.ID]; ok {
 		switch {
 		case d.refuted:
-			return "outcome_refuted"
+			return "outcome_refuted", false
 		case d.learned:
-			return "outcome_duplicate"
+			return "outcome_duplicate", false
 		}
 		d.learned = true
 		p.trust.ended[o.ID] = d
 		ep, rank, applied, until, ended, vouched = d.endpoint, d.rank, d.applied, d.endedAt, true, d.vouched
 	} else {
-		return "outcome_unmatched"
+		return "outcome_unmatched", false
 	}
 	if routing.EndpointKey(o.Endpoint) != ep || o.DPRank != rank {
-		return "outcome_mismatch"
+		return "outcome_mismatch", false
 	}
 	// Open here from its Start's arrival to its End's (or now): the peer
 	// timed the same span on its own clock, give or take the sync delay.
@@ -186,12 +194,9 @@ func (s *Syncer) checkOutcome(p *peer, o *wire.Outcome, now time.Time) string {
 	ttft := time.Duration(o.TTFTMicros) * time.Microsecond
 	lat := time.Duration(o.LatencyMicros) * time.Microsecond
 	if ttft > open+slack || lat > open+slack || (ended && lat > 0 && lat+slack < open) {
-		return "outcome_implausible"
+		return "outcome_implausible", false
 	}
-	if !vouched && s.freshLoad(ep, now) {
-		return "outcome_unvouched"
-	}
-	return ""
+	return "", vouched
 }
 
 // freshLoad reports whether the claim check applies to ep now: its load
@@ -211,6 +216,7 @@ func (s *Syncer) freshLoad(ep routing.EndpointKey, now time.Time) bool {
 func (s *Syncer) forgetPeer(p *peer) {
 	p.endAll()
 	p.trust = peerTrust{}
+	s.dropPendingOf(p)
 	if f, ok := s.eng.(routing.PeerForgetter); ok {
 		f.ForgetPeer(p.replica)
 	}

@@ -45,7 +45,8 @@ import (
 // Without fresh load (no /metrics, a stale or failed scrape) nothing is
 // checked: only the caps apply.
 
-// Defaults of ClaimCheck's zero fields.
+// Defaults of ClaimCheck's zero fields (and DefaultPendingOutcomes...,
+// completions.go).
 const (
 	DefaultClaimMaxLoadAge    = 2 * time.Second
 	DefaultClaimSlack         = 250 * time.Millisecond
@@ -81,6 +82,15 @@ type ClaimCheck struct {
 	StrikeWindow time.Duration
 	Quarantine   time.Duration
 	QuarantineAt int
+	// PendingOutcomes bounds the peers' outcomes waiting for a scrape's
+	// count of finished requests on one endpoint (past it, the oldest of
+	// the peer with the most there goes), PendingOutcomesTotal and
+	// PendingOutcomeBytes all of them (past either, new ones are
+	// dropped: reason outcome_pending_full). They wait at most
+	// MaxLoadAge (completions.go).
+	PendingOutcomes      int
+	PendingOutcomesTotal int
+	PendingOutcomeBytes  int
 }
 
 func (c *ClaimCheck) defaults() {
@@ -105,6 +115,15 @@ func (c *ClaimCheck) defaults() {
 	if c.QuarantineAt <= 0 {
 		c.QuarantineAt = DefaultClaimQuarantineAt
 	}
+	if c.PendingOutcomes <= 0 {
+		c.PendingOutcomes = DefaultPendingOutcomes
+	}
+	if c.PendingOutcomesTotal <= 0 {
+		c.PendingOutcomesTotal = DefaultPendingOutcomesTotal
+	}
+	if c.PendingOutcomeBytes <= 0 {
+		c.PendingOutcomeBytes = DefaultPendingOutcomeBytes
+	}
 }
 
 // freshLoad is one endpoint whose new scrape is to be checked.
@@ -112,6 +131,7 @@ type freshLoad struct {
 	sl    engine.ScrapedLoad
 	cut   time.Time // decisions applied before it are expected in the scrape
 	local int       // this replica's own decisions applied before cut, open now
+	own   int       // this replica's own outcomes there ended by the scrape (completions.go)
 }
 
 // claimCheckState is the flusher's own state of the check (sweep only).
@@ -158,17 +178,21 @@ func (s *Syncer) freshLoads(now time.Time) []freshLoad {
 	if len(c.checked) > 2*len(c.loads)+16 {
 		clear(c.checked) // endpoints that left; at worst one scrape is checked twice
 	}
+	s.lmu.Lock()
+	defer s.lmu.Unlock()
+	s.trimOwnLocked(now)
 	if len(c.fresh) == 0 {
 		return nil
 	}
-	s.lmu.Lock()
+	for i := range c.fresh {
+		c.fresh[i].own = s.takeOwnLocked(c.fresh[i].sl.Endpoint, c.fresh[i].sl.At)
+	}
 	for id, st := range s.inflight {
 		i, ok := idx[routing.EndpointKey(st.Endpoint)]
 		if ok && s.inflightAt[id].Before(c.fresh[i].cut) && (!c.pd || st.Prefilled) {
 			c.fresh[i].local++
 		}
 	}
-	s.lmu.Unlock()
 	return c.fresh
 }
 
@@ -200,6 +224,7 @@ func (s *Syncer) checkClaims(fresh []freshLoad, now time.Time) {
 		}
 		clear(c.claims[fresh[i].sl.Endpoint]) // drop the pointers
 	}
+	s.checkCompletions(fresh, now, struck)
 	for p, n := range struck {
 		s.strike(p, now, n >= s.cfg.Claims.QuarantineAt)
 	}
@@ -266,18 +291,29 @@ func (s *Syncer) refute(f *freshLoad, all []claim, now time.Time) (*peer, int) {
 	return top, most
 }
 
-// fairCut shares vouched claims out max-min fairly among the peers (each
-// keeps its claims up to a common level; what is left of a level goes to
-// the peers with fewer claims) and returns how many claims each peer
-// loses (only peers that lose some).
+// fairCut shares vouched claims out max-min fairly among the peers
+// (fairLoss) and returns how many claims each peer loses (only peers that
+// lose some).
 func fairCut(byPeer map[*peer][]claim, vouched int) map[*peer]int {
+	n := make(map[*peer]int, len(byPeer))
+	for p, l := range byPeer {
+		n[p] = len(l)
+	}
+	return fairLoss(n, vouched)
+}
+
+// fairLoss shares a budget out max-min fairly among peers holding n[p]
+// items each (every peer keeps its items up to a common level; what is
+// left of a level goes to the peers with fewer) and returns how many
+// items each peer loses (only peers that lose some).
+func fairLoss(n map[*peer]int, vouched int) map[*peer]int {
 	type share struct {
 		p *peer
 		n int
 	}
-	shares := make([]share, 0, len(byPeer))
-	for p, l := range byPeer {
-		shares = append(shares, share{p, len(l)})
+	shares := make([]share, 0, len(n))
+	for p, k := range n {
+		shares = append(shares, share{p, k})
 	}
 	slices.SortFunc(shares, func(a, b share) int {
 		return cmp.Or(cmp.Compare(a.n, b.n), cmp.Compare(a.p.replica, b.p.replica))
