@@ -213,3 +213,32 @@ func TestCancelIsRecorded(t *testing.T) {
 		t.Errorf("%v %+v", err, reqs)
 	}
 }
+
+// TestPrefillDelay: a prompt's blocks cost PrefillDelay each the first
+// time; the same prompt again finds them cached, and a longer one pays for
+// its new blocks only.
+func TestPrefillDelay(t *testing.T) {
+	const delay = 20 * time.Millisecond
+	w, c := start(t, worker.Config{PrefillDelay: delay})
+	prompt := strings.Repeat("0123456789abcdef", 4*30) // 30 blocks of 64 bytes
+	body := func(p string) string {
+		return `{"model":"test-model","prompt":"` + p + `","max_tokens":1}`
+	}
+	took := func(p string) time.Duration {
+		t0 := time.Now()
+		if resp, b := post(t, c, w.URL()+"/v1/completions", body(p)); resp.StatusCode != 200 {
+			t.Fatalf("status %d: %s", resp.StatusCode, b)
+		}
+		return time.Since(t0)
+	}
+	cold := took(prompt)
+	if cold < 30*delay {
+		t.Fatalf("cold prompt of 30 blocks took %v, want >= %v", cold, 30*delay)
+	}
+	if warm := took(prompt); warm >= cold/2 {
+		t.Errorf("the same prompt again took %v, cold %v: its blocks were not cached", warm, cold)
+	}
+	if longer := took(prompt + strings.Repeat("x", 64*10)); longer < 10*delay || longer >= cold {
+		t.Errorf("10 new blocks took %v, want >= %v and under the cold %v", longer, 10*delay, cold)
+	}
+}
