@@ -313,7 +313,16 @@ func (s *Source) session(ctx context.Context, cli *clientv3.Client, st *state, d
 	defer wg.Wait()
 	defer cancel()
 	probeErr := make(chan error, 1)
-	wg.Go(func() { s.probe(wctx, cli, probeErr) })
+	// A failed probe also cancels the watch's context: cli.Watch blocks
+	// until its stream is open, retrying for as long as its context
+	// lives, so a server killed between the list and the watch would
+	// otherwise hold this session (and the source's degraded state) for
+	// ever.
+	wg.Go(func() {
+		if s.probe(wctx, cli, probeErr) {
+			cancel()
+		}
+	})
 
 	wch := cli.Watch(wctx, st.prefix, clientv3.WithPrefix(), clientv3.WithRev(rev+1))
 	for {
@@ -326,6 +335,11 @@ func (s *Source) session(ctx context.Context, cli *clientv3.Client, st *state, d
 			if !ok {
 				if err := ctx.Err(); err != nil {
 					return err
+				}
+				select {
+				case err := <-probeErr:
+					return fmt.Errorf("etcd unreachable: %w", err)
+				default:
 				}
 				return errors.New("etcd: watch channel closed")
 			}
@@ -368,16 +382,17 @@ func (s *Source) list(ctx context.Context, cli *clientv3.Client, st *state) (int
 }
 
 // probe reads one key linearizably every probeInterval (it needs a leader)
-// and reports the first failure: a killed server leaves a watch stream
-// silently reconnecting, so the watch alone would not notice.
-func (s *Source) probe(ctx context.Context, cli *clientv3.Client, out chan<- error) {
+// and reports the first failure on out (and true): a killed server leaves
+// a watch stream silently reconnecting, so the watch alone would not
+// notice. It returns false when ctx ends.
+func (s *Source) probe(ctx context.Context, cli *clientv3.Client, out chan<- error) bool {
 	key := strings.TrimSuffix(s.cfg.EndpointsPrefix(), "endpoints/") + "probe"
 	t := time.NewTicker(probeInterval)
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
-			return
+			return false
 		case <-t.C:
 		}
 		pctx, cancel := context.WithTimeout(ctx, probeTimeout)
@@ -385,7 +400,7 @@ func (s *Source) probe(ctx context.Context, cli *clientv3.Client, out chan<- err
 		cancel()
 		if err != nil && ctx.Err() == nil {
 			out <- err
-			return
+			return true
 		}
 	}
 }
