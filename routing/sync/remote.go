@@ -38,14 +38,17 @@ type peer struct {
 }
 
 // Peers become established after establishMsgs messages over at least a
-// heartbeat interval: a real replica after its third heartbeat, while an
-// id that sent one message (a forged one) stays a newcomer.
+// heartbeat interval, and stay so while they are heard as a live replica
+// is, at least every two heartbeat intervals: a real replica after its
+// third heartbeat, while an id that sent one message, or one re-heard
+// only every few intervals (forged ids taking turns), stays a newcomer.
 const establishMsgs = 3
 
-// established reports whether p has been heard long enough to keep its
-// slot when the slots are full (evictNewcomer).
+// established reports whether p has been heard long enough, and recently
+// enough, to keep its slot when the slots are full (evictNewcomer) and to
+// take a turn in bursts (turns.go).
 func (p *peer) established(now time.Time, hb time.Duration) bool {
-	return p.msgs >= establishMsgs && now.Sub(p.joined) >= hb
+	return p.msgs >= establishMsgs && now.Sub(p.joined) >= hb && now.Sub(p.lastHeard) <= 2*hb
 }
 
 // remote is one applied peer decision.

@@ -659,6 +659,17 @@ func TestPeerStartBounds(t *testing.T) {
 // joins is admitted at its second message and keeps its slot; forged ids
 // never evict each other.
 func TestForgedIDsCannotLockOut(t *testing.T) {
+	// Each forged id once; and 75 ids in turn, each heard every 300 ms
+	// (three heartbeat intervals, within the peer TTL): those had become
+	// established, never evicted, and kept a real replica out.
+	t.Run("new ids", func(t *testing.T) { forgedIDsCannotLockOut(t, 0) })
+	t.Run("ids heard every three heartbeats", func(t *testing.T) { forgedIDsCannotLockOut(t, 75) })
+}
+
+// forgedIDsCannotLockOut fills b's peer slots with forged ids, one
+// heartbeat every 4 ms (cycle ids in turn, or a new one each time when
+// cycle is 0), and checks that a real replica is admitted and kept.
+func forgedIDsCannotLockOut(t *testing.T, cycle int) {
 	srv := startNATS(t)
 	cfg := testConfig(srv, "b")
 	cfg.MaxPeers = 8
@@ -676,7 +687,11 @@ func TestForgedIDsCannotLockOut(t *testing.T) {
 				return
 			case <-tk.C:
 			}
-			m := &wire.Message{Kind: wire.KindHeartbeat, Pool: "p", Replica: fmt.Sprintf("fake-%d", i), Epoch: 1, Seq: 1, Heartbeat: wire.Heartbeat{Interval: 100}}
+			id, seq := i, uint64(1)
+			if cycle > 0 {
+				id, seq = i%cycle, uint64(1+i/cycle)
+			}
+			m := &wire.Message{Kind: wire.KindHeartbeat, Pool: "p", Replica: fmt.Sprintf("fake-%d", id), Epoch: 1, Seq: seq, Heartbeat: wire.Heartbeat{Interval: 100}}
 			if raw, err := wire.Append(nil, m); err == nil {
 				_ = evil.nc.Publish("kvbandit.p.heartbeat", raw)
 			}
@@ -694,6 +709,7 @@ func TestForgedIDsCannotLockOut(t *testing.T) {
 	waitFor(t, 5*time.Second, "the slots full of forged ids", func() bool {
 		return len(b.s.Status().Peers) == cfg.MaxPeers && b.counter(t, "kvbandit_sync_dropped_total", "reason", "too_many_peers") > 0
 	})
+	time.Sleep(time.Second) // re-heard forged ids have sent three messages each
 	newNode(t, testConfig(srv, "c"), engine.Options{})
 	waitFor(t, 5*time.Second, "the real replica admitted", func() bool { return hasPeer("c") })
 	// A second of forged ids later it is still there.
