@@ -304,3 +304,72 @@ func TestParsePDMode(t *testing.T) {
 		t.Errorf("ParsePDMode(Direct): %v", err)
 	}
 }
+
+// TestProxyKVTransferParamsStripped: a client's own kv_transfer_params
+// (which would make the decode engine's KV connector pull blocks from a
+// host the client names) never reaches a worker of a pool with prefill
+// endpoints, whether the request stays aggregated below the threshold
+// (sidecar mode) or falls back to aggregated in direct mode; in a pool
+// without prefill endpoints it is kept unless the operator's switch says
+// otherwise. The rest of the body and its Content-Length follow.
+func TestProxyKVTransferParamsStripped(t *testing.T) {
+	const evil = `,"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"169.254.169.254","remote_port":5600,"remote_engine_id":"evil","remote_block_ids":[1]}`
+	check := func(t *testing.T, w *worker.Worker, sent []byte, wantKept bool) {
+		t.Helper()
+		reqs := w.Requests()
+		if len(reqs) != 1 {
+			t.Fatalf("decode worker got %d requests, want 1", len(reqs))
+		}
+		got := reqs[0]
+		_, kept := jsonObject(t, got.Body)["kv_transfer_params"]
+		if kept != wantKept {
+			t.Errorf("kv_transfer_params forwarded = %v, want %v: %s", kept, wantKept, got.Body)
+		}
+		want := sent
+		if !wantKept {
+			want = bytes.Replace(sent, []byte(evil), nil, 1)
+		}
+		if !bytes.Equal(got.Body, want) || got.ContentLength != int64(len(want)) {
+			t.Errorf("decode body (Content-Length %d)\n got %s\nwant %s", got.ContentLength, got.Body, want)
+		}
+	}
+	short := []byte(`{"model":"test-model","messages":[{"role":"user","content":"hi"}]` + evil + `}`)
+	long := chatBody("test-model", strings.Repeat("route this long prompt please ", 40), evil)
+
+	t.Run("sidecar below threshold", func(t *testing.T) {
+		dec, err := pd.New(pd.Config{ThresholdTokens: 100000})
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := newFixture(t, options{workers: 2, roles: []routing.Role{routing.RoleDecode, routing.RolePrefill}, pd: dec})
+		if resp, b := f.post(t, "/v1/chat/completions", short); resp.StatusCode != http.StatusOK {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		check(t, f.workers[0], short, false)
+		f.out.wait(t, 1)
+	})
+	t.Run("direct fallback", func(t *testing.T) {
+		pw := newPrefillWorker(t, func(w http.ResponseWriter, _ *http.Request) {
+			http.Error(w, `{"error":"busy"}`, http.StatusServiceUnavailable)
+		})
+		f, _ := pdDirectFixture(t, pw.addr(), proxy.Config{})
+		if resp, b := f.post(t, "/v1/chat/completions", long); resp.StatusCode != http.StatusOK {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		check(t, f.workers[0], long, false)
+		f.out.wait(t, 1)
+	})
+	for _, c := range []struct {
+		name   string
+		always bool
+	}{{"no prefill endpoints", false}, {"no prefill endpoints, strip everywhere", true}} {
+		t.Run(c.name, func(t *testing.T) {
+			f := newFixture(t, options{workers: 1, cfg: proxy.Config{StripKVTransferParams: c.always}})
+			if resp, b := f.post(t, "/v1/chat/completions", short); resp.StatusCode != http.StatusOK {
+				t.Fatalf("%d %s", resp.StatusCode, b)
+			}
+			check(t, f.workers[0], short, !c.always)
+			f.out.wait(t, 1)
+		})
+	}
+}
