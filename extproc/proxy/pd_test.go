@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbandit/kvbandit/e2e/worker"
+	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/extproc/proxy"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/pd"
@@ -372,4 +373,63 @@ func TestProxyKVTransferParamsStripped(t *testing.T) {
 			f.out.wait(t, 1)
 		})
 	}
+}
+
+// TestProxyPDDirectSlowAnswerCharged: a prefill answer is charged to the
+// shared buffer budget as its bytes arrive: a prefill worker that sends
+// its headers and a few bytes, then stalls, holds those bytes (and the
+// request body), not max(1 MiB, --max-body-bytes) ahead of time; once it
+// finishes, the two stages complete and everything is released.
+func TestProxyPDDirectSlowAnswerCharged(t *testing.T) {
+	resume := make(chan struct{})
+	const head = `{"id":"cmpl-1","choices":[{"index":0,"text":"x"}],`
+	pw := newPrefillWorker(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, head)
+		w.(http.Flusher).Flush()
+		select {
+		case <-resume:
+		case <-r.Context().Done():
+			return
+		}
+		_, _ = io.WriteString(w, strings.TrimPrefix(vllmPrefillAnswer, `{"id":"cmpl-1","choices":[{"index":0,"text":"x","finish_reason":"remote_decode"}],`))
+	})
+	budget := extproc.NewBudget(64 << 20)
+	dec, err := pd.New(pd.Config{ThresholdTokens: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewRegistry()
+	f := newFixture(t, options{workers: 1, roles: []routing.Role{routing.RoleDecode}, pd: dec, reg: reg, budget: budget, cfg: proxy.Config{PDMode: proxy.PDModeDirect}})
+	eps := []routing.Endpoint{{Key: routing.EndpointKey(f.workers[0].Addr()), Role: routing.RoleDecode}, {Key: routing.EndpointKey(pw.addr()), Role: routing.RolePrefill}}
+	if err := f.engine.Update(routing.EndpointSet{Source: "test", Endpoints: eps}); err != nil {
+		t.Fatal(err)
+	}
+	body := chatBody("test-model", strings.Repeat("route this long prompt please ", 40), "")
+	done := make(chan int, 1)
+	go func() {
+		resp, _ := f.post(t, "/v1/chat/completions", body)
+		done <- resp.StatusCode
+	}()
+	waitFor(t, 5*time.Second, "the prefill worker asked", func() bool {
+		pw.mu.Lock()
+		defer pw.mu.Unlock()
+		return len(pw.bodies) == 1
+	})
+	time.Sleep(100 * time.Millisecond) // the head of the answer is read
+	if u, most := budget.Used(), int64(len(body)+len(head)); u > most {
+		t.Errorf("a stalled prefill answer holds %d bytes of the budget, want at most %d (what has arrived)", u, most)
+	}
+	close(resume)
+	if code := <-done; code != http.StatusOK {
+		t.Fatalf("status %d", code)
+	}
+	if v := labelledCounter(t, reg, "kvbandit_proxy_pd_fallbacks_total", "reason", "buffer_budget"); v != 0 {
+		t.Errorf("fallbacks{reason=buffer_budget} = %v", v)
+	}
+	if got := jsonObject(t, f.workers[0].Requests()[0].Body)["kv_transfer_params"]; !bytes.Contains(got, []byte(`"remote_engine_id":"E1"`)) {
+		t.Errorf("decode stage kv_transfer_params %s, want the prefill answer's", got)
+	}
+	f.out.wait(t, 1)
+	waitFor(t, 5*time.Second, "the budget released", func() bool { return budget.Used() == 0 })
 }
