@@ -43,6 +43,8 @@ type goldenCase struct {
 	Fallbacks          int                `json:"fallbacks"`
 	// PDThresholdTokens turns P/D disaggregation on (routing/pd).
 	PDThresholdTokens *int `json:"pd_threshold_tokens"`
+	// StripKVTransferParams is Config.StripKVTransferParams.
+	StripKVTransferParams bool `json:"strip_kv_transfer_params"`
 }
 
 const separator = "\n---\n"
@@ -108,7 +110,7 @@ func runCase(t *testing.T, gc goldenCase, reqs []*extprocv3.ProcessingRequest) (
 	if err := e.Update(routing.EndpointSet{Source: "golden", Endpoints: gc.Endpoints}); err != nil {
 		t.Fatal(err)
 	}
-	cfg := extproc.Config{MaxBodyBytes: gc.MaxBodyBytes, ResponseProcessing: true, TenantHeader: gc.TenantHeader}
+	cfg := extproc.Config{MaxBodyBytes: gc.MaxBodyBytes, ResponseProcessing: true, TenantHeader: gc.TenantHeader, StripKVTransferParams: gc.StripKVTransferParams}
 	if gc.ResponseProcessing != nil {
 		cfg.ResponseProcessing = *gc.ResponseProcessing
 	}

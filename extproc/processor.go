@@ -94,14 +94,17 @@ type processor struct {
 	traceHdr tracing.Carrier
 	span     tracing.Span
 
-	body      []byte // request body; aliases the single chunk when possible
-	owned     bool   // body is our own copy (counted against the budget)
-	held      int64  // bytes held against the server's buffer budget
-	started   time.Time
-	timer     clock.Timer
-	timeout   chan struct{}
-	decision  *routing.Decision
-	respPhase bool
+	body  []byte // request body; aliases the single chunk when possible
+	owned bool   // body is our own copy (counted against the budget)
+	// bodyRewritten: the body was changed (kv_transfer_params removed);
+	// the replies carry it whole and set Content-Length.
+	bodyRewritten bool
+	held          int64 // bytes held against the server's buffer budget
+	started       time.Time
+	timer         clock.Timer
+	timeout       chan struct{}
+	decision      *routing.Decision
+	respPhase     bool
 
 	// headerTimer bounds stream open → request headers (Server.Process
 	// arms it).

@@ -61,6 +61,7 @@ func (p *processor) requestComplete(ctx context.Context, eos bool) ([]*extprocv3
 		return nil, false, err
 	}
 	p.phase = phaseAwaitResponse
+	p.stripKVTransfer()
 	var out []*extprocv3.ProcessingResponse
 	if p.reqMode == filterv3.ProcessingMode_BUFFERED || p.reqMode == filterv3.ProcessingMode_BUFFERED_PARTIAL {
 		out = []*extprocv3.ProcessingResponse{p.bufferedBodyResponse()}
@@ -97,6 +98,23 @@ func (p *processor) afterRequestPhase(out []*extprocv3.ProcessingResponse) ([]*e
 			"response_body_mode", p.respMode.String(), "protocol_config_sent", p.modeKnown)
 	})
 	return out, false, nil
+}
+
+// stripKVTransfer removes the client's kv_transfer_params from the body
+// the data plane forwards (the replies below carry the new body and its
+// Content-Length), so that only the picker's P/D protocol names a host for
+// the decode engine's KV connector. The bytes saved go back to the budget.
+func (p *processor) stripKVTransfer() {
+	if p.bodyUnseen || !StripsKVTransfer(p.decision, p.s.cfg.StripKVTransferParams) {
+		return
+	}
+	b, ok := StripKVTransferParams(p.body)
+	if !ok {
+		return
+	}
+	p.s.budget.Release(int64(len(p.body) - len(b)))
+	p.held -= int64(len(p.body) - len(b))
+	p.body, p.owned, p.bodyRewritten = b, true, true
 }
 
 func (p *processor) appendBody(chunk []byte) error {

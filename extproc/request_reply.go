@@ -38,12 +38,15 @@ type headersReply struct {
 	set      [2]*corev3.HeaderValueOption
 }
 
-// bufferedBodyResponse carries the decision in BUFFERED mode, body untouched.
+// bufferedBodyResponse carries the decision in BUFFERED mode, the body
+// untouched unless it was rewritten.
 func (p *processor) bufferedBodyResponse() *extprocv3.ProcessingResponse {
+	common := &extprocv3.CommonResponse{HeaderMutation: p.mutation(&extprocv3.HeaderMutation{}), ClearRouteCache: true}
+	if p.bodyRewritten {
+		common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: p.body}}
+	}
 	return &extprocv3.ProcessingResponse{
-		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{
-			Response: &extprocv3.CommonResponse{HeaderMutation: p.mutation(&extprocv3.HeaderMutation{}), ClearRouteCache: true},
-		}},
+		Response:        &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: common}},
 		DynamicMetadata: p.dynamicMetadata(),
 	}
 }
@@ -70,6 +73,10 @@ func (p *processor) mutation(hm *extprocv3.HeaderMutation) *extprocv3.HeaderMuta
 				hm.RemoveHeaders = append(hm.RemoveHeaders, tracing.HeaderTracestate)
 			}
 		}
+	}
+	if p.bodyRewritten {
+		// As GIE's EPP does when it rewrites a body.
+		hm.SetHeaders = append(hm.SetHeaders, setHeader("content-length", strconv.Itoa(len(p.body))))
 	}
 	for _, k := range p.spoofed {
 		lk := strings.ToLower(k)

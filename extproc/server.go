@@ -81,6 +81,10 @@ type Config struct {
 	ResponseProcessing bool
 	// TenantHeader names the request header that carries the tenant.
 	TenantHeader string
+	// StripKVTransferParams removes a client's kv_transfer_params from
+	// request bodies in every pool; in pools with prefill endpoints it is
+	// always removed (StripsKVTransfer).
+	StripKVTransferParams bool
 	// MaxSSEEvent bounds one buffered SSE event.
 	MaxSSEEvent int
 	// TokenizerTimeout bounds one request's tokenization; past it the

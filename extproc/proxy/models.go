@@ -17,6 +17,7 @@ import (
 	"github.com/tidwall/gjson"
 
 	"github.com/kvbandit/kvbandit/extproc"
+	"github.com/kvbandit/kvbandit/extproc/openai"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/engine"
@@ -239,8 +240,11 @@ func (l *modelLister) fetch(ctx context.Context, ep routing.EndpointKey) ([]Mode
 // parseModels reads an OpenAI model list, skipping entries without a
 // usable id; created and owned_by are taken when they have the right type.
 func parseModels(body []byte) ([]Model, error) {
-	if !gjson.ValidBytes(body) {
-		return nil, fmt.Errorf("%w: not JSON", errModelsFetch)
+	// Depth first, without recursion: gjson.ValidBytes recurses once per
+	// level, and 16 workers answering 1 MiB nested 500,000 deep took the
+	// process past 1 GiB.
+	if err := openai.CheckJSON(body); err != nil {
+		return nil, fmt.Errorf("%w: %w", errModelsFetch, err)
 	}
 	data := gjson.GetBytes(body, "data")
 	if !data.IsArray() {
@@ -277,6 +281,9 @@ func (p *Proxy) models(w http.ResponseWriter, r *http.Request, clean, class stri
 	if err != nil {
 		p.metrics.request(class, 0) // the client went away while waiting
 		return
+	}
+	if list == nil {
+		list = []Model{} // "data":[], never null
 	}
 	var v any = ModelList{Object: "list", Data: list}
 	if id, ok := strings.CutPrefix(clean, ModelsPath+"/"); ok {

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -268,5 +269,47 @@ func TestSharedRequestMetrics(t *testing.T) {
 		if strings.HasPrefix(name, "kvbandit_proxy_requests_total") || strings.HasPrefix(name, "kvbandit_proxy_ttft") {
 			t.Errorf("old proxy-only series %s still exported", name)
 		}
+	}
+}
+
+// TestProxyModelsDeepAnswer: a worker's valid JSON answer nested far
+// deeper than openai.MaxDepth is refused by the non-recursive depth check
+// before gjson reads it (gjson's own validator recurses once per level):
+// it counts as a bad answer, and the worker's last good list stays.
+func TestProxyModelsDeepAnswer(t *testing.T) {
+	const levels = 200_000
+	deep := `{"object":"list","data":[{"id":"deep","x":` + strings.Repeat("[", levels) + strings.Repeat("]", levels) + `}]}`
+	var calls atomic.Int64
+	s := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		if calls.Add(1) == 1 {
+			io.WriteString(w, `{"object":"list","data":[{"id":"good","created":3,"owned_by":"w"}]}`)
+			return
+		}
+		io.WriteString(w, deep)
+	}))
+	t.Cleanup(s.Close)
+	f := newFixture(t, options{
+		cfg:       proxy.Config{ModelsCacheTTL: time.Nanosecond},
+		endpoints: []routing.Endpoint{{Key: routing.EndpointKey(strings.TrimPrefix(s.URL, "http://"))}},
+	})
+	want := `{"object":"list","data":[{"id":"good","object":"model","created":3,"owned_by":"w"}]}`
+	for i := range 3 {
+		resp, body := f.get(t, http.MethodGet, "/v1/models")
+		if resp.StatusCode != 200 || string(body) != want {
+			t.Errorf("listing %d: %d %.200s\nwant %s", i, resp.StatusCode, body, want)
+		}
+	}
+	if n := calls.Load(); n < 3 {
+		t.Errorf("worker asked %d times, want 3 (TTL 1ns)", n)
+	}
+}
+
+// TestProxyModelsEmpty: with no model known the listing is an empty
+// array, "data":[], never null (OpenAI clients iterate over it).
+func TestProxyModelsEmpty(t *testing.T) {
+	f := newFixture(t, options{})
+	resp, body := f.get(t, http.MethodGet, "/v1/models")
+	if want := `{"object":"list","data":[]}`; resp.StatusCode != 200 || string(body) != want {
+		t.Errorf("GET /v1/models with no endpoints: %d %s, want 200 %s", resp.StatusCode, body, want)
 	}
 }

@@ -10,6 +10,8 @@ import (
 	"io"
 	"net/http"
 	"time"
+
+	"github.com/kvbandit/kvbandit/extproc"
 )
 
 // PDMode says who runs the two stages of a disaggregated request
@@ -163,17 +165,16 @@ func (x *exchange) prefill(r *http.Request, target string, body []byte, requestI
 	if resp.ContentLength > limit {
 		return nil, fallback(fallbackTooLarge, fmt.Errorf("prefill answer of %d bytes, limit %d", resp.ContentLength, limit))
 	}
-	// The answer is charged to the buffer budget while it is held.
-	if !p.budget.Take(limit) {
-		return nil, fallback(fallbackBudget, errors.New("no buffer budget for the prefill answer"))
-	}
-	defer p.budget.Release(limit)
-	answer, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
+	// The answer is charged to the buffer budget as its bytes arrive, and
+	// while it is held: a slow answer holds only what it has sent.
+	answer, held, err := readCharged(resp.Body, resp.ContentLength, limit, p.budget)
+	defer p.budget.Release(held)
 	if err != nil {
+		var fb *errFallback
+		if errors.As(err, &fb) {
+			return nil, err
+		}
 		return nil, x.prefillErr(ctx, fallbackConnect, err)
-	}
-	if int64(len(answer)) > limit {
-		return nil, fallback(fallbackTooLarge, fmt.Errorf("prefill answer over %d bytes", limit))
 	}
 	kv, err := transferParams(answer)
 	if err != nil {
@@ -183,6 +184,48 @@ func (x *exchange) prefill(r *http.Request, target string, body []byte, requestI
 }
 
 var errPrefillTimeout = errors.New("prefill stage timed out")
+
+// prefillReadChunk is the first buffer of a prefill answer read (it grows
+// by doubling, up to the limit, as bytes arrive).
+const prefillReadChunk = 32 << 10
+
+// readCharged reads r to its end, at most limit bytes, charging each chunk
+// to budget as it arrives (never the declared length, never the limit
+// ahead of time). It returns the bytes and how many are charged, which
+// the caller releases whatever the error; too many bytes or no budget
+// left are *errFallback.
+func readCharged(r io.Reader, declared, limit int64, budget *extproc.Budget) ([]byte, int64, error) {
+	size := int64(prefillReadChunk)
+	if declared >= 0 {
+		size = min(declared+1, size) // +1: EOF without growing
+	}
+	buf := make([]byte, 0, min(size, limit+1))
+	var held int64
+	for {
+		if len(buf) == cap(buf) {
+			grown := make([]byte, len(buf), min(2*int64(cap(buf)), limit+1))
+			copy(grown, buf)
+			buf = grown
+		}
+		n, err := r.Read(buf[len(buf):cap(buf)])
+		if n > 0 {
+			if !budget.Take(int64(n)) {
+				return nil, held, fallback(fallbackBudget, errors.New("no buffer budget for the prefill answer"))
+			}
+			held += int64(n)
+			buf = buf[:len(buf)+n]
+			if int64(len(buf)) > limit {
+				return nil, held, fallback(fallbackTooLarge, fmt.Errorf("prefill answer over %d bytes", limit))
+			}
+		}
+		if err == io.EOF {
+			return buf, held, nil
+		}
+		if err != nil {
+			return nil, held, err
+		}
+	}
+}
 
 // prefillErr classifies a transport error of the prefill stage: the
 // request's own end (client gone, Stop) is returned as is; the stage's

@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbandit/kvbandit/e2e/worker"
+	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/extproc/proxy"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/pd"
@@ -303,4 +304,132 @@ func TestParsePDMode(t *testing.T) {
 	if _, err := proxy.ParsePDMode("Direct"); !errors.Is(err, proxy.ErrPDMode) {
 		t.Errorf("ParsePDMode(Direct): %v", err)
 	}
+}
+
+// TestProxyKVTransferParamsStripped: a client's own kv_transfer_params
+// (which would make the decode engine's KV connector pull blocks from a
+// host the client names) never reaches a worker of a pool with prefill
+// endpoints, whether the request stays aggregated below the threshold
+// (sidecar mode) or falls back to aggregated in direct mode; in a pool
+// without prefill endpoints it is kept unless the operator's switch says
+// otherwise. The rest of the body and its Content-Length follow.
+func TestProxyKVTransferParamsStripped(t *testing.T) {
+	const evil = `,"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"169.254.169.254","remote_port":5600,"remote_engine_id":"evil","remote_block_ids":[1]}`
+	check := func(t *testing.T, w *worker.Worker, sent []byte, wantKept bool) {
+		t.Helper()
+		reqs := w.Requests()
+		if len(reqs) != 1 {
+			t.Fatalf("decode worker got %d requests, want 1", len(reqs))
+		}
+		got := reqs[0]
+		_, kept := jsonObject(t, got.Body)["kv_transfer_params"]
+		if kept != wantKept {
+			t.Errorf("kv_transfer_params forwarded = %v, want %v: %s", kept, wantKept, got.Body)
+		}
+		want := sent
+		if !wantKept {
+			want = bytes.Replace(sent, []byte(evil), nil, 1)
+		}
+		if !bytes.Equal(got.Body, want) || got.ContentLength != int64(len(want)) {
+			t.Errorf("decode body (Content-Length %d)\n got %s\nwant %s", got.ContentLength, got.Body, want)
+		}
+	}
+	short := []byte(`{"model":"test-model","messages":[{"role":"user","content":"hi"}]` + evil + `}`)
+	long := chatBody("test-model", strings.Repeat("route this long prompt please ", 40), evil)
+
+	t.Run("sidecar below threshold", func(t *testing.T) {
+		dec, err := pd.New(pd.Config{ThresholdTokens: 100000})
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := newFixture(t, options{workers: 2, roles: []routing.Role{routing.RoleDecode, routing.RolePrefill}, pd: dec})
+		if resp, b := f.post(t, "/v1/chat/completions", short); resp.StatusCode != http.StatusOK {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		check(t, f.workers[0], short, false)
+		f.out.wait(t, 1)
+	})
+	t.Run("direct fallback", func(t *testing.T) {
+		pw := newPrefillWorker(t, func(w http.ResponseWriter, _ *http.Request) {
+			http.Error(w, `{"error":"busy"}`, http.StatusServiceUnavailable)
+		})
+		f, _ := pdDirectFixture(t, pw.addr(), proxy.Config{})
+		if resp, b := f.post(t, "/v1/chat/completions", long); resp.StatusCode != http.StatusOK {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		check(t, f.workers[0], long, false)
+		f.out.wait(t, 1)
+	})
+	for _, c := range []struct {
+		name   string
+		always bool
+	}{{"no prefill endpoints", false}, {"no prefill endpoints, strip everywhere", true}} {
+		t.Run(c.name, func(t *testing.T) {
+			f := newFixture(t, options{workers: 1, cfg: proxy.Config{StripKVTransferParams: c.always}})
+			if resp, b := f.post(t, "/v1/chat/completions", short); resp.StatusCode != http.StatusOK {
+				t.Fatalf("%d %s", resp.StatusCode, b)
+			}
+			check(t, f.workers[0], short, !c.always)
+			f.out.wait(t, 1)
+		})
+	}
+}
+
+// TestProxyPDDirectSlowAnswerCharged: a prefill answer is charged to the
+// shared buffer budget as its bytes arrive: a prefill worker that sends
+// its headers and a few bytes, then stalls, holds those bytes (and the
+// request body), not max(1 MiB, --max-body-bytes) ahead of time; once it
+// finishes, the two stages complete and everything is released.
+func TestProxyPDDirectSlowAnswerCharged(t *testing.T) {
+	resume := make(chan struct{})
+	const head = `{"id":"cmpl-1","choices":[{"index":0,"text":"x"}],`
+	pw := newPrefillWorker(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, head)
+		w.(http.Flusher).Flush()
+		select {
+		case <-resume:
+		case <-r.Context().Done():
+			return
+		}
+		_, _ = io.WriteString(w, strings.TrimPrefix(vllmPrefillAnswer, `{"id":"cmpl-1","choices":[{"index":0,"text":"x","finish_reason":"remote_decode"}],`))
+	})
+	budget := extproc.NewBudget(64 << 20)
+	dec, err := pd.New(pd.Config{ThresholdTokens: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewRegistry()
+	f := newFixture(t, options{workers: 1, roles: []routing.Role{routing.RoleDecode}, pd: dec, reg: reg, budget: budget, cfg: proxy.Config{PDMode: proxy.PDModeDirect}})
+	eps := []routing.Endpoint{{Key: routing.EndpointKey(f.workers[0].Addr()), Role: routing.RoleDecode}, {Key: routing.EndpointKey(pw.addr()), Role: routing.RolePrefill}}
+	if err := f.engine.Update(routing.EndpointSet{Source: "test", Endpoints: eps}); err != nil {
+		t.Fatal(err)
+	}
+	body := chatBody("test-model", strings.Repeat("route this long prompt please ", 40), "")
+	done := make(chan int, 1)
+	go func() {
+		resp, _ := f.post(t, "/v1/chat/completions", body)
+		done <- resp.StatusCode
+	}()
+	waitFor(t, 5*time.Second, "the prefill worker asked", func() bool {
+		pw.mu.Lock()
+		defer pw.mu.Unlock()
+		return len(pw.bodies) == 1
+	})
+	time.Sleep(100 * time.Millisecond) // the head of the answer is read
+	if u, most := budget.Used(), int64(len(body)+len(head)); u > most {
+		t.Errorf("a stalled prefill answer holds %d bytes of the budget, want at most %d (what has arrived)", u, most)
+	}
+	close(resume)
+	if code := <-done; code != http.StatusOK {
+		t.Fatalf("status %d", code)
+	}
+	if v := labelledCounter(t, reg, "kvbandit_proxy_pd_fallbacks_total", "reason", "buffer_budget"); v != 0 {
+		t.Errorf("fallbacks{reason=buffer_budget} = %v", v)
+	}
+	if got := jsonObject(t, f.workers[0].Requests()[0].Body)["kv_transfer_params"]; !bytes.Contains(got, []byte(`"remote_engine_id":"E1"`)) {
+		t.Errorf("decode stage kv_transfer_params %s, want the prefill answer's", got)
+	}
+	f.out.wait(t, 1)
+	waitFor(t, 5*time.Second, "the budget released", func() bool { return budget.Used() == 0 })
 }

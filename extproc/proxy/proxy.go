@@ -77,6 +77,10 @@ type Config struct {
 	DecisionTimeout time.Duration
 	// TenantHeader names the request header that carries the tenant.
 	TenantHeader string
+	// StripKVTransferParams removes a client's kv_transfer_params from
+	// request bodies in every pool; in pools with prefill endpoints it is
+	// always removed (extproc.StripsKVTransfer).
+	StripKVTransferParams bool
 	// MaxSSEEvent bounds one buffered SSE event (and a JSON response kept
 	// for its usage).
 	MaxSSEEvent int

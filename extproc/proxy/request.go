@@ -231,4 +231,16 @@ func (rb *reqBody) replace(b []byte) bool {
 	return true
 }
 
+// shrink swaps the body for b, no longer than it (the body with a field
+// removed), and gives the bytes saved back to the budget.
+func (rb *reqBody) shrink(b []byte) {
+	rb.mu.Lock()
+	defer rb.mu.Unlock()
+	if rb.released || int64(len(b)) > rb.held {
+		return
+	}
+	rb.budget.Release(rb.held - int64(len(b)))
+	rb.b, rb.held = b, int64(len(b))
+}
+
 var errBodyReleased = errors.New("proxy: request body already released")

@@ -1,7 +1,9 @@
 package proxy_test
 
 import (
+	"fmt"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -107,4 +109,40 @@ func waitSpans(t *testing.T, rec *tracetest.SpanRecorder, n int) map[string]sdkt
 		out[s.Name()] = s
 	}
 	return out
+}
+
+// TestTracingProxyTracestateBounded: with tracing on, the proxy reads the
+// client's trace context within the ext_proc path's bounds
+// (tracing.MaxTracestateBytes): a valid 8 KiB tracestate is ignored, never
+// handed on to the worker, while the traceparent still continues the
+// client's trace; one within the bound is passed on.
+func TestTracingProxyTracestateBounded(t *testing.T) {
+	var big strings.Builder
+	for i := range 32 { // W3C's most list members, each value 250 bytes
+		if i > 0 {
+			big.WriteByte(',')
+		}
+		fmt.Fprintf(&big, "k%d=%s", i, strings.Repeat("x", 250))
+	}
+	small := "a=" + strings.Repeat("y", 200) + ",b=" + strings.Repeat("z", 200) + ",c=" + strings.Repeat("w", tracing.MaxTracestateBytes-408)
+	for _, c := range []struct {
+		name, state, want string
+	}{{"8 KiB", big.String(), ""}, {"at the bound", small, small}} {
+		t.Run(c.name, func(t *testing.T) {
+			rec := tracetest.NewSpanRecorder()
+			f := newFixture(t, options{workers: 1, tracer: tracing.FromProvider(sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec)))})
+			resp, b := f.post(t, "/v1/chat/completions", chatBody("test-model", "hi", ""), "traceparent", clientTraceparent, "tracestate", c.state)
+			if resp.StatusCode != http.StatusOK {
+				t.Fatalf("%d %s", resp.StatusCode, b)
+			}
+			h := f.workers[0].Requests()[0].Header
+			if got := h.Get("tracestate"); got != c.want {
+				t.Errorf("worker tracestate of %d bytes, want %d", len(got), len(c.want))
+			}
+			if !strings.HasPrefix(h.Get("traceparent"), "00-4bf92f3577b34da6a3ce929d0e0e4736-") {
+				t.Errorf("worker traceparent %q does not continue the client's trace", h.Get("traceparent"))
+			}
+			waitSpans(t, rec, 3)
+		})
+	}
 }

@@ -33,6 +33,14 @@ func (x *exchange) upstreamRequest(w http.ResponseWriter, r *http.Request, targe
 	if d.DPRank >= 0 {
 		up.Header.Set(extproc.HeaderDPRank, strconv.Itoa(d.DPRank))
 	}
+	// Only the picker's P/D protocol may name a host for the decode
+	// engine's KV connector: a client's kv_transfer_params goes, whether or
+	// not this request is disaggregated (extproc.StripsKVTransfer).
+	if extproc.StripsKVTransfer(d, p.cfg.StripKVTransferParams) {
+		if b, ok := extproc.StripKVTransferParams(body.bytes()); ok {
+			body.shrink(b)
+		}
+	}
 	switch {
 	case d.Prefill == "":
 	case p.cfg.PDMode == PDModeDirect:

@@ -202,14 +202,23 @@ func (t *Tracer) StartStream(c *Carrier, start time.Time, path, requestID string
 }
 
 // StartHTTP starts the proxy's server span for r, a child of r's
-// traceparent. It returns w wrapped to record the response status, and r
+// traceparent (and tracestate), read within MaxTraceparentBytes and
+// MaxTracestateBytes as StartStream's carrier is. It returns w wrapped to record the response status, and r
 // with the span in its context; with tracing off it returns w and r as
 // they are and a zero Span.
 func (t *Tracer) StartHTTP(w http.ResponseWriter, r *http.Request, path string) (http.ResponseWriter, *http.Request, Span) {
 	if t == nil {
 		return w, r, Span{}
 	}
-	ctx := t.prop.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
+	// The same bounds as the ext_proc path (Carrier.Keep): an oversized
+	// traceparent or tracestate is ignored, never handed on to the worker.
+	var c Carrier
+	for _, name := range [...]string{HeaderTraceparent, HeaderTracestate} {
+		for _, v := range r.Header.Values(name) {
+			c.Keep(name, v)
+		}
+	}
+	ctx := t.prop.Extract(r.Context(), &c)
 	ctx, sp := t.tracer.Start(ctx, SpanProxy, trace.WithSpanKind(trace.SpanKindServer), trace.WithAttributes(
 		attribute.String("http.request.method", truncate(r.Method, maxMethodBytes)), attribute.String("url.path", truncate(path, maxPathBytes))))
 	if id := r.Header.Get("X-Request-Id"); id != "" {

@@ -64,6 +64,16 @@ func TestPDConfigAndFlag(t *testing.T) {
 	if err := o.applyFlags(c); err != nil || c.PD.ThresholdTokens != 100 {
 		t.Fatalf("flag: %v %+v", err, c.PD)
 	}
+	if c.PD.StripKVTransferParams {
+		t.Fatal("pd.strip_kv_transfer_params on by default")
+	}
+	if c, err := ParseConfig([]byte("pd:\n  strip_kv_transfer_params: true\n")); err != nil || !c.PD.StripKVTransferParams {
+		t.Fatalf("file strip_kv_transfer_params: %v %+v", err, c.PD)
+	}
+	o = ServeOptions{PDStripKVTransfer: true, set: map[string]string{"pd-strip-kv-transfer-params": "true"}}
+	if err := o.applyFlags(c); err != nil || !c.PD.StripKVTransferParams {
+		t.Fatalf("--pd-strip-kv-transfer-params: %v %+v", err, c.PD)
+	}
 	o = ServeOptions{PDThresholdTokens: -5, set: map[string]string{"pd-threshold-tokens": "-5"}}
 	if err := o.applyFlags(c); err == nil {
 		t.Fatal("negative --pd-threshold-tokens accepted")

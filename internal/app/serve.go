@@ -336,6 +336,8 @@ func (s *serving) buildFrontends() error {
 		ResponseProcessing:  o.ResponseProcessing,
 		TenantHeader:        o.TenantHeader,
 		TokenizerTimeout:    secs(s.cfg.Tokenizer.TimeoutSecs),
+		// Read at start-up: a reload does not change it.
+		StripKVTransferParams: s.cfg.PD.StripKVTransferParams,
 	}, extproc.Deps{Picker: engine, Tokenizer: tok, Logger: s.log, Registry: s.reg, Budget: budget, Objectives: prios, Tracer: s.tracer})
 	if s.ls.HTTP == nil && o.HTTPAddr == "" {
 		return nil
@@ -345,13 +347,14 @@ func (s *serving) buildFrontends() error {
 		return err
 	}
 	s.px = proxy.New(proxy.Config{
-		PDMode:           pdMode,
-		PrefillTimeout:   o.PDPrefillTimeout,
-		MaxBodyBytes:     o.MaxBodyBytes,
-		MaxInflight:      o.MaxInflight,
-		DecisionTimeout:  o.DecisionTimeout,
-		TenantHeader:     o.TenantHeader,
-		TokenizerTimeout: secs(s.cfg.Tokenizer.TimeoutSecs),
+		PDMode:                pdMode,
+		PrefillTimeout:        o.PDPrefillTimeout,
+		MaxBodyBytes:          o.MaxBodyBytes,
+		MaxInflight:           o.MaxInflight,
+		DecisionTimeout:       o.DecisionTimeout,
+		TenantHeader:          o.TenantHeader,
+		TokenizerTimeout:      secs(s.cfg.Tokenizer.TimeoutSecs),
+		StripKVTransferParams: s.cfg.PD.StripKVTransferParams,
 	}, proxy.Deps{Engine: engine, Tokenizer: tok, Logger: s.log, Registry: s.reg, Clock: engine.Clock(), Budget: budget, Objectives: prios, Tracer: s.tracer})
 	s.onExit(s.px.CloseIdleConnections)
 	return nil

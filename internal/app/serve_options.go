@@ -42,6 +42,7 @@ type ServeOptions struct {
 	PDThresholdTokens  int
 	PDProxyMode        string
 	PDPrefillTimeout   time.Duration
+	PDStripKVTransfer  bool
 	DecisionTimeout    time.Duration
 	DrainTimeout       time.Duration
 	StopGrace          time.Duration
@@ -122,6 +123,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.Fallbacks, "fallbacks", 0, "extra endpoints appended to the destination list; keep 0 with ORIGINAL_DST data planes")
 	fs.IntVar(&o.PDThresholdTokens, "pd-threshold-tokens", pd.DefaultThresholdTokens, "P/D pools (endpoints with role prefill): prompts with fewer uncached tokens on the chosen decode endpoint stay aggregated (config pd.threshold_tokens; 0 disaggregates every prompt)")
 	fs.StringVar(&o.PDProxyMode, "pd-proxy-mode", string(proxy.PDModeSidecar), "P/D with --http-addr: sidecar (send x-prefiller-host-port; llm-d's pd-sidecar in front of each decode worker runs the prefill stage) | direct (the proxy runs the prefill stage itself, for decode workers without a sidecar; a failed prefill stage is served aggregated)")
+	fs.BoolVar(&o.PDStripKVTransfer, "pd-strip-kv-transfer-params", false, "remove a client's kv_transfer_params from request bodies in every pool (config pd.strip_kv_transfer_params); pools with prefill endpoints always remove it")
 	fs.DurationVar(&o.PDPrefillTimeout, "pd-prefill-timeout", proxy.DefaultPrefillTimeout, "--pd-proxy-mode direct: bound on the prefill stage; beyond it the request is served aggregated")
 	fs.DurationVar(&o.DecisionTimeout, "decision-timeout", extproc.DefaultDecisionTimeout, "request headers -> decision deadline (503 decision_timeout beyond); never applies to the response")
 	fs.DurationVar(&o.StreamHeaderTimeout, "stream-header-timeout", extproc.DefaultStreamHeaderTimeout, "ext_proc stream open -> request headers deadline; a stream that sends none is closed (DEADLINE_EXCEEDED) and never holds a --max-inflight slot (0 = the default)")
@@ -293,6 +295,9 @@ func (o *ServeOptions) applyFlags(c *FileConfig) error {
 	}
 	if _, ok := o.set["pd-threshold-tokens"]; ok {
 		c.PD.ThresholdTokens = o.PDThresholdTokens
+	}
+	if _, ok := o.set["pd-strip-kv-transfer-params"]; ok {
+		c.PD.StripKVTransferParams = o.PDStripKVTransfer
 	}
 	if _, ok := o.set["tokenizer-timeout"]; ok {
 		c.Tokenizer.TimeoutSecs = o.TokenizerTimeout.Seconds()

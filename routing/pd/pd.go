@@ -40,6 +40,12 @@ type Config struct {
 	// ThresholdTokens: a request whose uncached prompt tokens on the chosen
 	// decode endpoint are fewer stays aggregated (--pd-threshold-tokens).
 	ThresholdTokens int `json:"threshold_tokens"`
+	// StripKVTransferParams removes a client's kv_transfer_params from
+	// request bodies in every pool (--pd-strip-kv-transfer-params). In a
+	// pool with prefill endpoints it is removed whatever this says: only
+	// the picker's P/D protocol may name a host for the decode engine's
+	// KV connector.
+	StripKVTransferParams bool `json:"strip_kv_transfer_params"`
 }
 
 // DefaultConfig returns the defaults.
