@@ -173,6 +173,9 @@ type Server struct {
 	unsafeClose sync.Once
 	// bodyUnseen warns once that the request body mode hides bodies.
 	bodyUnseen sync.Once
+	// noResponseOnce warns once that the data plane sends no response
+	// phase (noresponse.go).
+	noResponseOnce sync.Once
 	wg         sync.WaitGroup
 }
 
