@@ -176,7 +176,7 @@ type Server struct {
 	// noResponseOnce warns once that the data plane sends no response
 	// phase (noresponse.go).
 	noResponseOnce sync.Once
-	wg         sync.WaitGroup
+	wg             sync.WaitGroup
 }
 
 var _ extprocv3.ExternalProcessorServer = (*Server)(nil)
