@@ -271,3 +271,18 @@ func TestResponseProcessingOffNoResponsePhase(t *testing.T) {
 		}
 	}
 }
+
+// TestNoResponsePhaseNotForEnvoy: a data plane that sends protocol_config
+// (Envoy) and half-closes at once after the request phase is a client that
+// went away: cancelled at once, no load held.
+func TestNoResponsePhaseNotForEnvoy(t *testing.T) {
+	vc := clock.NewVirtual(time.Unix(1000, 0))
+	h := newHarness(t, extproc.Config{ResponseProcessing: true}, vc)
+	s, _ := h.client.Process(t.Context())
+	requestPhase(t, s)
+	_ = s.CloseSend()
+	if o := h.outcome(t); o.Kind != routing.OutcomeCancelled {
+		t.Fatalf("outcome %+v, want cancelled", o)
+	}
+	h.noMoreOutcomes(t)
+}

@@ -7,9 +7,11 @@ import (
 )
 
 // Streams that end right after the request phase. NGINX Gateway Fabric's
-// endpoint picker shim (and Envoy with response_header_mode SKIP) sends
-// the request phase, half-closes the stream and never sends a response
-// phase: the request is still being served when the stream ends. Its
+// endpoint picker shim sends the request phase without protocol_config,
+// half-closes the stream and never sends a response phase: the request is
+// still being served when the stream ends. A data plane that sends
+// protocol_config (Envoy does) follows Envoy's semantics, where such a
+// half-close is a client that went away (OutcomeCancelled). Otherwise its
 // decision ends as routing.OutcomeNoResponsePhase (no success, no failure:
 // policies learn nothing from it) and its load stays counted for the
 // request's predicted duration, released by a timer on the server's
@@ -37,7 +39,7 @@ const (
 // request phase, waiting for a response phase that the data plane will
 // never send.
 func (p *processor) noResponsePhase() bool {
-	return p.s.cfg.ResponseProcessing && p.phase == phaseAwaitResponse && !p.respPhase &&
+	return p.s.cfg.ResponseProcessing && !p.modeKnown && p.phase == phaseAwaitResponse && !p.respPhase &&
 		p.decision != nil && !p.decision.Finished() &&
 		p.s.clk.Now().Sub(p.requestDone) <= NoResponseWindow
 }
@@ -68,7 +70,7 @@ func (p *processor) endWithoutResponse() {
 		}
 	})
 	s.noResponseOnce.Do(func() {
-		s.log.Warn("the data plane ends each ext_proc stream right after the request phase and sends no response phase (NGINX Gateway Fabric's endpoint picker shim does; so does Envoy with response_header_mode SKIP): kvbandit routes such requests but sees no outcome, records them as no_response_phase and keeps each decision's load counted for its predicted duration (at most "+MaxNoResponseHold.String()+"); see docs/envoy.md, \"Other data planes\"",
+		s.log.Warn("the data plane ends each ext_proc stream right after the request phase and sends no response phase (NGINX Gateway Fabric's endpoint picker shim does): kvbandit routes such requests but sees no outcome, records them as no_response_phase and keeps each decision's load counted for its predicted duration (at most "+MaxNoResponseHold.String()+"); see docs/envoy.md, \"Other data planes\"",
 			"request_id", p.requestID, "held_for", hold)
 	})
 }
