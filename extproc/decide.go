@@ -12,6 +12,7 @@ import (
 func (p *processor) decide(ctx context.Context) error {
 	m := p.s.metrics
 	t0 := p.s.clk.Now()
+	p.classifyByBody()
 	req := routing.Request{ID: p.requestID, Path: p.path, Tenant: p.tenant, Arrival: p.started, Subset: p.subset}
 	kind := p.kind
 	if p.bodyUnseen {

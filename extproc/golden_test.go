@@ -25,6 +25,7 @@ import (
 
 	"github.com/kvbandit/kvbandit/extproc"
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/clock"
 	"github.com/kvbandit/kvbandit/routing/engine"
 	"github.com/kvbandit/kvbandit/routing/pd"
 	"github.com/kvbandit/kvbandit/routing/policy"
@@ -45,6 +46,11 @@ type goldenCase struct {
 	PDThresholdTokens *int `json:"pd_threshold_tokens"`
 	// StripKVTransferParams is Config.StripKVTransferParams.
 	StripKVTransferParams bool `json:"strip_kv_transfer_params"`
+	// HeldInFlight is the in-flight count expected once the stream has
+	// ended, held because the stream ended right after its request phase
+	// (a data plane without a response phase); advancing the server's
+	// virtual clock past MaxNoResponseHold must then release it.
+	HeldInFlight int64 `json:"held_in_flight"`
 }
 
 const separator = "\n---\n"
@@ -114,7 +120,10 @@ func runCase(t *testing.T, gc goldenCase, reqs []*extprocv3.ProcessingRequest) (
 	if gc.ResponseProcessing != nil {
 		cfg.ResponseProcessing = *gc.ResponseProcessing
 	}
-	srv := extproc.NewServer(cfg, extproc.Deps{Picker: e, Logger: log, Registry: prometheus.NewRegistry()})
+	// The server's timers run on a virtual clock, so that a hold (see
+	// HeldInFlight) ends when the case says, not when real time passes.
+	vc := clock.NewVirtual(time.Unix(0, 0))
+	srv := extproc.NewServer(cfg, extproc.Deps{Picker: e, Logger: log, Registry: prometheus.NewRegistry(), Clock: vc})
 	client, stop := startServer(t, srv)
 	defer stop()
 
@@ -146,6 +155,14 @@ func runCase(t *testing.T, gc goldenCase, reqs []*extprocv3.ProcessingRequest) (
 	if err := srv.Wait(ctx); err != nil {
 		t.Fatal(err)
 	}
+	var held int64
+	for _, st := range e.Endpoints() {
+		held += st.InFlight.Load()
+	}
+	if held != gc.HeldInFlight {
+		t.Errorf("in-flight %d after the stream ended, want %d held", held, gc.HeldInFlight)
+	}
+	vc.Step(extproc.MaxNoResponseHold)
 	for _, st := range e.Endpoints() {
 		if n := st.InFlight.Load(); n != 0 {
 			t.Errorf("%s: in-flight %d after the stream ended", st.Key, n)

@@ -114,6 +114,14 @@ func (p *processor) endOfStream() {
 	case p.decision == nil:
 		p.abort(routing.OutcomeCancelled, "")
 	case p.phase == phaseDone:
+	case p.noResponsePhase():
+		p.endWithoutResponse()
+	case !p.s.cfg.ResponseProcessing && !p.respPhase && p.decision.Finished():
+		// Response processing is off and the data plane sent no response
+		// phase either: the stream simply ends (the decision ended at the
+		// request phase).
+		p.phase = phaseDone
+		p.count(0)
 	default:
 		// The data plane closed before the response ended: the client or
 		// the upstream went away.

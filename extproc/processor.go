@@ -76,6 +76,7 @@ type processor struct {
 	bodyUnseen bool
 
 	path      string
+	fallback  pathFallback // without :path (dataplane.go)
 	kind      openai.Kind
 	method    string // :method, at most maxMethodBytes
 	requestID string
@@ -105,6 +106,8 @@ type processor struct {
 	timeout       chan struct{}
 	decision      *routing.Decision
 	respPhase     bool
+	// requestDone is when the request phase ended (noresponse.go).
+	requestDone time.Time
 
 	// headerTimer bounds stream open → request headers (Server.Process
 	// arms it).

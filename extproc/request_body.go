@@ -85,6 +85,9 @@ func (p *processor) requestComplete(ctx context.Context, eos bool) ([]*extprocv3
 // would be dropped, so kvbandit keeps echoing them until the response ends
 // and warns once.
 func (p *processor) afterRequestPhase(out []*extprocv3.ProcessingResponse) ([]*extprocv3.ProcessingResponse, bool, error) {
+	if !p.reqBodyPassthrough {
+		p.requestDone = p.s.clk.Now()
+	}
 	if p.s.cfg.ResponseProcessing || p.reqBodyPassthrough {
 		return out, false, nil
 	}
@@ -93,11 +96,20 @@ func (p *processor) afterRequestPhase(out []*extprocv3.ProcessingResponse) ([]*e
 		return out, true, nil
 	}
 	p.phase = phaseAwaitResponse
+	return out, false, nil
+}
+
+// echoingResponse warns once, when a response phase does arrive, that
+// response processing is off while the data plane streams responses to
+// kvbandit (not before: a data plane may send no response phase at all).
+func (p *processor) echoingResponse() {
+	if p.s.cfg.ResponseProcessing {
+		return
+	}
 	p.s.unsafeClose.Do(func() {
 		p.s.log.Warn("response processing is off, but the data plane streams response bodies to kvbandit; closing early would drop response bytes, so kvbandit echoes them (set the ext_proc filter's response_header_mode SKIP and response_body_mode NONE to save the work)",
 			"response_body_mode", p.respMode.String(), "protocol_config_sent", p.modeKnown)
 	})
-	return out, false, nil
 }
 
 // stripKVTransfer removes the client's kv_transfer_params from the body

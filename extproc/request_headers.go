@@ -87,6 +87,7 @@ func (p *processor) onRequestHeaders(ctx context.Context, h *extprocv3.HttpHeade
 	p.started = p.s.clk.Now()
 	p.phase = phaseRequestBody
 	err := p.readRequestHeaders(h.GetHeaders())
+	p.resolvePath(!h.GetEndOfStream())
 	p.kind = openai.KindOf(p.path)
 	if len(p.path) > MaxPathBytes {
 		p.path = strings.Clone(p.path[:MaxPathBytes])
@@ -137,17 +138,22 @@ func (p *processor) onRequestHeaders(ctx context.Context, h *extprocv3.HttpHeade
 const maxMethodBytes = 32
 
 // readRequestHeaders keeps only what routing needs, each bounded: the path
-// (bounded by the caller, after classification), the request id, the
+// (bounded by the caller, after classification; without :path, the
+// fallback path headers, see resolvePath), the request id, the
 // tenant (bounded where prefix state keys it), the model header, the hint
 // headers and the names of spoofable headers. Everything else, other
 // x-prefix-* headers included, is dropped with the message.
 func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) error {
 	tenant := p.s.cfg.TenantHeader
 	for _, h := range hm.GetHeaders() {
-		k := h.GetKey()
+		k := lowerName(h.GetKey())
 		switch {
 		case k == ":path":
 			p.path = headerValue(h)
+		case k == HeaderOriginalPath && p.fallback.original == "":
+			p.fallback.original = headerPrefix(h, MaxPathBytes+1)
+		case k == HeaderForwardedPath && p.fallback.forwarded == "":
+			p.fallback.forwarded = headerPrefix(h, MaxPathBytes+1)
 		case k == ":method":
 			p.method = headerPrefix(h, maxMethodBytes)
 		case k == "x-request-id":

@@ -17,6 +17,7 @@ func (p *processor) onResponseHeaders(h *extprocv3.HttpHeaders) ([]*extprocv3.Pr
 	}
 	p.respPhase = true
 	p.phase = phaseResponseBody
+	p.echoingResponse()
 	for _, hv := range h.GetHeaders().GetHeaders() {
 		switch hv.GetKey() {
 		case ":status":

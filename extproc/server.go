@@ -177,7 +177,10 @@ type Server struct {
 	unsafeClose sync.Once
 	// bodyUnseen warns once that the request body mode hides bodies.
 	bodyUnseen sync.Once
-	wg         sync.WaitGroup
+	// noResponseOnce warns once that the data plane sends no response
+	// phase (noresponse.go).
+	noResponseOnce sync.Once
+	wg             sync.WaitGroup
 }
 
 var _ extprocv3.ExternalProcessorServer = (*Server)(nil)

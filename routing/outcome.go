@@ -24,9 +24,18 @@ const (
 	OutcomeRejected
 	// OutcomeExpired: the sweeper released a decision whose Done never came.
 	OutcomeExpired
+	// OutcomeNoResponsePhase: the data plane ended the stream right after
+	// the request phase and sends no response phase (NGINX Gateway
+	// Fabric's endpoint picker shim), so the request's end is never seen.
+	// Like OutcomeAbandoned it is neither a success nor a failure: policies
+	// learn nothing from it.
+	OutcomeNoResponsePhase
 )
 
-var outcomeNames = [...]string{"success", "upstream_error", "cancelled", "reset", "abandoned", "rejected", "expired"}
+// LastOutcomeKind is the highest defined OutcomeKind.
+const LastOutcomeKind = OutcomeNoResponsePhase
+
+var outcomeNames = [...]string{"success", "upstream_error", "cancelled", "reset", "abandoned", "rejected", "expired", "no_response_phase"}
 
 // String returns the kind's metric label.
 func (k OutcomeKind) String() string {

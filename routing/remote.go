@@ -169,7 +169,7 @@ func (s *RemoteStart) SessionRequest() *Request {
 // wrap ErrInvalidRemote).
 func (o *RemoteOutcome) Validate() error {
 	switch {
-	case o.Kind > OutcomeExpired:
+	case o.Kind > LastOutcomeKind:
 		return fmt.Errorf("%w: outcome kind %d", ErrInvalidRemote, o.Kind)
 	case o.Status < 0 || o.Status > 999:
 		return fmt.Errorf("%w: status %d", ErrInvalidRemote, o.Status)

@@ -292,7 +292,7 @@ func TestRemoteStartRejectsUnknown(t *testing.T) {
 		{"unknown endpoint", func(o *routing.RemoteOutcome) { o.Endpoint = "10.0.0.2:8000" }, routing.ErrUnknownEndpoint},
 		{"unknown served", func(o *routing.RemoteOutcome) { o.Served = "10.0.0.2:8000" }, routing.ErrUnknownEndpoint},
 		{"bad rank", func(o *routing.RemoteOutcome) { o.DPRank = 3 }, routing.ErrUnknownEndpoint},
-		{"bad kind", func(o *routing.RemoteOutcome) { o.Kind = routing.OutcomeExpired + 1 }, routing.ErrInvalidRemote},
+		{"bad kind", func(o *routing.RemoteOutcome) { o.Kind = routing.LastOutcomeKind + 1 }, routing.ErrInvalidRemote},
 		{"negative ttft", func(o *routing.RemoteOutcome) { o.TTFT = -1 }, routing.ErrInvalidRemote},
 		{"bad tokens", func(o *routing.RemoteOutcome) { o.CachedTokens = -2 }, routing.ErrInvalidRemote},
 		{"block size 0", func(o *routing.RemoteOutcome) { o.BlockSize = 0 }, routing.ErrInvalidRemote},
