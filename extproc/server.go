@@ -81,6 +81,11 @@ type Config struct {
 	ResponseProcessing bool
 	// TenantHeader names the request header that carries the tenant.
 	TenantHeader string
+	// SessionHeaders name the request headers that carry the session id
+	// (the prefix id hint), the first present winning; checked by
+	// hints.SessionHeaders. Empty means hints.DefaultSessionHeaders
+	// (x-prefix-id).
+	SessionHeaders []string
 	// MaxSSEEvent bounds one buffered SSE event.
 	MaxSSEEvent int
 	// TokenizerTimeout bounds one request's tokenization; past it the
@@ -112,6 +117,9 @@ func (c *Config) defaults() {
 	}
 	if c.TokenizerTimeout <= 0 {
 		c.TokenizerTimeout = DefaultTokenizerTimeout
+	}
+	if len(c.SessionHeaders) == 0 {
+		c.SessionHeaders = hints.DefaultSessionHeaders()
 	}
 }
 

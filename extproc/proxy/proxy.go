@@ -77,6 +77,10 @@ type Config struct {
 	DecisionTimeout time.Duration
 	// TenantHeader names the request header that carries the tenant.
 	TenantHeader string
+	// SessionHeaders name the request headers that carry the session id
+	// (the prefix id hint), the first present winning, as
+	// extproc.Config.SessionHeaders (empty: x-prefix-id).
+	SessionHeaders []string
 	// MaxSSEEvent bounds one buffered SSE event (and a JSON response kept
 	// for its usage).
 	MaxSSEEvent int

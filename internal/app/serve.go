@@ -335,6 +335,7 @@ func (s *serving) buildFrontends() error {
 		StreamIdleTimeout:   o.StreamIdleTimeout,
 		ResponseProcessing:  o.ResponseProcessing,
 		TenantHeader:        o.TenantHeader,
+		SessionHeaders:      s.cfg.Router.SessionHeader,
 		TokenizerTimeout:    secs(s.cfg.Tokenizer.TimeoutSecs),
 	}, extproc.Deps{Picker: engine, Tokenizer: tok, Logger: s.log, Registry: s.reg, Budget: budget, Objectives: prios, Tracer: s.tracer})
 	if s.ls.HTTP == nil && o.HTTPAddr == "" {
@@ -351,6 +352,7 @@ func (s *serving) buildFrontends() error {
 		MaxInflight:      o.MaxInflight,
 		DecisionTimeout:  o.DecisionTimeout,
 		TenantHeader:     o.TenantHeader,
+		SessionHeaders:   s.cfg.Router.SessionHeader,
 		TokenizerTimeout: secs(s.cfg.Tokenizer.TimeoutSecs),
 	}, proxy.Deps{Engine: engine, Tokenizer: tok, Logger: s.log, Registry: s.reg, Clock: engine.Clock(), Budget: budget, Objectives: prios, Tracer: s.tracer})
 	s.onExit(s.px.CloseIdleConnections)
