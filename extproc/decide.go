@@ -63,6 +63,7 @@ func (p *processor) decide(ctx context.Context) error {
 	}
 	// What the request phase read from the headers is no longer needed.
 	p.hintVals, p.hintSet, p.tenant, p.model = [len(hintHeaders)]string{}, 0, "", ""
+	p.session, p.sessionAt = "", 0
 	if p.idle != nil {
 		p.lastMsg = t3
 		p.armIdle(p.s.cfg.StreamIdleTimeout)

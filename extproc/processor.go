@@ -86,8 +86,13 @@ type processor struct {
 	// which are present.
 	hintVals [len(hintHeaders)]string
 	hintSet  uint8
-	spoofed  []string
-	subset   *routing.Subset
+	// session is the session id read from the first configured session
+	// header present (Config.SessionHeaders); sessionAt is that header's
+	// index + 1 (0: none).
+	session   string
+	sessionAt int
+	spoofed   []string
+	subset    *routing.Subset
 	// admitted: the request holds one of the server's MaxInflight slots.
 	admitted bool
 	// traceHdr is the request's trace context (read only when tracing is

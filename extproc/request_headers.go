@@ -163,6 +163,7 @@ func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) error {
 			// stream never holds a client's long header until its
 			// decision; the proxy does the same.
 			p.tenant = prefixstate.BoundID(headerValue(h))
+		case p.sessionHeader(k, h):
 		case strings.HasPrefix(k, "x-prefix-") || k == hints.HeaderPriority || k == hints.HeaderSLOTTFT || k == hints.HeaderLLMDSLOTTFT || k == hints.HeaderInferenceObjective:
 			i := hintIndex(k)
 			if i < 0 || p.hintSet&(1<<i) != 0 {
@@ -193,8 +194,32 @@ func (p *processor) readRequestHeaders(hm *corev3.HeaderMap) error {
 	return nil
 }
 
-// header returns a request header that hint parsing may ask for.
+// sessionHeader keeps h's value as the session id when k is a configured
+// session header (Config.SessionHeaders) listed before the one kept so
+// far, and reports whether k is one. A value over MaxHintHeaderBytes is
+// ignored and counted as a hint problem.
+func (p *processor) sessionHeader(k string, h *corev3.HeaderValue) bool {
+	i := slices.IndexFunc(p.s.cfg.SessionHeaders, func(n string) bool { return strings.EqualFold(n, k) })
+	if i < 0 {
+		return false
+	}
+	if p.sessionAt != 0 && p.sessionAt <= i+1 {
+		return true // a later name, or a repeat: the first one counts
+	}
+	if headerLen(h) > MaxHintHeaderBytes {
+		p.s.metrics.hintProblems.Inc()
+		return true
+	}
+	p.session, p.sessionAt = headerValue(h), i+1
+	return true
+}
+
+// header returns a request header that hint parsing may ask for; the
+// prefix id comes from the configured session headers.
 func (p *processor) header(name string) (string, bool) {
+	if name == hints.HeaderPrefixID {
+		return p.session, p.sessionAt != 0
+	}
 	i := hintIndex(name)
 	if i < 0 || p.hintSet&(1<<i) == 0 {
 		return "", false

@@ -85,6 +85,11 @@ type Config struct {
 	// request bodies in every pool; in pools with prefill endpoints it is
 	// always removed (StripsKVTransfer).
 	StripKVTransferParams bool
+	// SessionHeaders name the request headers that carry the session id
+	// (the prefix id hint), the first present winning; checked by
+	// hints.SessionHeaders. Empty means hints.DefaultSessionHeaders
+	// (x-prefix-id).
+	SessionHeaders []string
 	// MaxSSEEvent bounds one buffered SSE event.
 	MaxSSEEvent int
 	// TokenizerTimeout bounds one request's tokenization; past it the
@@ -116,6 +121,9 @@ func (c *Config) defaults() {
 	}
 	if c.TokenizerTimeout <= 0 {
 		c.TokenizerTimeout = DefaultTokenizerTimeout
+	}
+	if len(c.SessionHeaders) == 0 {
+		c.SessionHeaders = hints.DefaultSessionHeaders()
 	}
 }
 

@@ -81,6 +81,10 @@ type Config struct {
 	// request bodies in every pool; in pools with prefill endpoints it is
 	// always removed (extproc.StripsKVTransfer).
 	StripKVTransferParams bool
+	// SessionHeaders name the request headers that carry the session id
+	// (the prefix id hint), the first present winning, as
+	// extproc.Config.SessionHeaders (empty: x-prefix-id).
+	SessionHeaders []string
 	// MaxSSEEvent bounds one buffered SSE event (and a JSON response kept
 	// for its usage).
 	MaxSSEEvent int

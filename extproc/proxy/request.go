@@ -147,13 +147,13 @@ func (p *Proxy) build(ctx context.Context, r *http.Request, target string, kind 
 		// Bounded as the ext_proc side does (prefixstate.BoundID).
 		req.Tenant = prefixstate.BoundID(r.Header.Get(p.cfg.TenantHeader))
 	}
-	header := func(name string) (string, bool) {
+	header := hints.WithSessionHeaders(func(name string) (string, bool) {
 		v := r.Header.Values(name)
 		if len(v) == 0 {
 			return "", false
 		}
 		return v[0], true
-	}
+	}, p.cfg.SessionHeaders)
 	parsed, problems, err := extproc.ParseRequest(kind, body, header, &req)
 	if err != nil {
 		return req, err

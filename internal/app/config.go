@@ -1,12 +1,17 @@
 package app
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
 	"io"
 	"math"
 	"os"
+	"reflect"
+	"strings"
 	"time"
 
+	"github.com/kvbandit/kvbandit/extproc/hints"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/admission"
 	"github.com/kvbandit/kvbandit/routing/discovery"
@@ -260,6 +265,59 @@ type RouterConfig struct {
 	// worker has stored that many blocks since (routing/kvevents
 	// warm.go); 0: only the scraped size.
 	KVCacheBlocks int `json:"kv_cache_blocks,omitempty"`
+	// SessionHeader names the request headers that carry the session id
+	// (the prefix id hint), the first present winning (a name or a list;
+	// --session-header); default x-prefix-id. See hints.SessionHeaders.
+	SessionHeader HeaderNames `json:"session_header"`
+}
+
+// HeaderNames is a list of header names, written in YAML as one name or a
+// list, and as a flag as comma-separated names.
+type HeaderNames []string
+
+// UnmarshalJSON accepts a string or a list of strings.
+func (h *HeaderNames) UnmarshalJSON(b []byte) error {
+	var one string
+	if err := json.Unmarshal(b, &one); err == nil {
+		*h = HeaderNames{one}
+		return nil
+	}
+	var list []string
+	if err := json.Unmarshal(b, &list); err != nil {
+		// A type error, so that the config error names the key and line.
+		got := "object"
+		switch t := bytes.TrimSpace(b); {
+		case len(t) > 0 && (t[0] == '-' || t[0] >= '0' && t[0] <= '9'):
+			got = "number"
+		case bytes.Equal(t, []byte("true")) || bytes.Equal(t, []byte("false")):
+			got = "bool"
+		case bytes.Equal(t, []byte("null")):
+			got = "null"
+		case len(t) > 0 && t[0] == '[':
+			got = "a list of non-strings"
+		}
+		return &json.UnmarshalTypeError{Value: got, Type: reflect.TypeFor[[]string]()}
+	}
+	*h = list
+	return nil
+}
+
+// String implements flag.Value.
+func (h *HeaderNames) String() string {
+	if h == nil {
+		return ""
+	}
+	return strings.Join(*h, ",")
+}
+
+// Set implements flag.Value: comma-separated names, replacing the list.
+func (h *HeaderNames) Set(v string) error {
+	names := strings.Split(v, ",")
+	for i := range names {
+		names[i] = strings.TrimSpace(names[i])
+	}
+	*h = names
+	return nil
 }
 
 // PrefixStateConfig bounds the prefix state.
@@ -283,7 +341,8 @@ func DefaultFileConfig() FileConfig {
 			MaxTreeSize: 1 << 20, PruneTargetRatio: 0.8, MaxEventBlocksPerWorker: kvindex.DefaultMaxEventEntries,
 			QueuePolicy: string(admission.PolicyFCFS), QueueMaxWaitSecs: 10,
 			TrackActiveBlocks: true, StaleRequestSecs: 300,
-			TierWeights: routing.DefaultTierWeights(),
+			TierWeights:   routing.DefaultTierWeights(),
+			SessionHeader: hints.DefaultSessionHeaders(),
 		},
 		Config:      policy.DefaultConfig(),
 		PD:          pd.DefaultConfig(),
@@ -365,6 +424,8 @@ func (c *FileConfig) Validate() error {
 		return fmt.Errorf("router.stale_request_secs: must be > 0, got %v", r.StaleRequestSecs)
 	case r.TierWeights.Validate() != nil:
 		return fmt.Errorf("router.%w", r.TierWeights.Validate())
+	case sessionHeaderErr(r.SessionHeader) != nil:
+		return fmt.Errorf("router.session_header: %w", sessionHeaderErr(r.SessionHeader))
 	case !(c.PrefixState.TTLSecs > 0):
 		return fmt.Errorf("prefix_state.ttl_secs: must be > 0, got %v", c.PrefixState.TTLSecs)
 	case c.PrefixState.MaxEntries <= 0:
@@ -465,4 +526,13 @@ func (c *FileConfig) engineOptions(fallbacks int) engine.Options {
 			MaxWait:   secs(r.QueueMaxWaitSecs),
 		},
 	}
+}
+
+// sessionHeaderErr checks router.session_header (hints.SessionHeaders).
+func sessionHeaderErr(names HeaderNames) error {
+	if len(names) == 0 {
+		return fmt.Errorf("%w: no name (the default is %s)", hints.ErrSessionHeader, hints.HeaderPrefixID)
+	}
+	_, err := hints.SessionHeaders(names)
+	return err
 }

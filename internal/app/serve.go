@@ -335,6 +335,7 @@ func (s *serving) buildFrontends() error {
 		StreamIdleTimeout:   o.StreamIdleTimeout,
 		ResponseProcessing:  o.ResponseProcessing,
 		TenantHeader:        o.TenantHeader,
+		SessionHeaders:      s.cfg.Router.SessionHeader,
 		TokenizerTimeout:    secs(s.cfg.Tokenizer.TimeoutSecs),
 		// Read at start-up: a reload does not change it.
 		StripKVTransferParams: s.cfg.PD.StripKVTransferParams,
@@ -355,6 +356,7 @@ func (s *serving) buildFrontends() error {
 		TenantHeader:          o.TenantHeader,
 		TokenizerTimeout:      secs(s.cfg.Tokenizer.TimeoutSecs),
 		StripKVTransferParams: s.cfg.PD.StripKVTransferParams,
+		SessionHeaders:        s.cfg.Router.SessionHeader,
 	}, proxy.Deps{Engine: engine, Tokenizer: tok, Logger: s.log, Registry: s.reg, Clock: engine.Clock(), Budget: budget, Objectives: prios, Tracer: s.tracer})
 	s.onExit(s.px.CloseIdleConnections)
 	return nil

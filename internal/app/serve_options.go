@@ -262,6 +262,7 @@ func routerFlags(fs *flag.FlagSet, r *RouterConfig) {
 	fs.StringVar(&r.QueuePolicy, "router-queue-policy", r.QueuePolicy, "admission queue order: fcfs | wspt")
 	fs.Float64Var(&r.QueueMaxWaitSecs, "router-queue-max-wait", r.QueueMaxWaitSecs, "admission queue: seconds a request may wait before 429")
 	fs.BoolVar(&r.TrackActiveBlocks, "router-track-active-blocks", r.TrackActiveBlocks, "count KV blocks held by in-flight requests in the cost")
+	fs.Var(&r.SessionHeader, "session-header", "request header(s) carrying the session id (the prefix id hint), comma-separated, the first present winning (config router.session_header; at most 8 names)")
 }
 
 // applyFlags lets explicitly given flags override the config file, then

@@ -108,6 +108,7 @@ func (o *benchOptions) addFlags(fs *flag.FlagSet) {
 	fs.IntVar(&a.Tenants, "tenants", 1, "agentic: tenants (sessions spread round-robin)")
 	fs.IntVar(&a.InputLen, "input-len", 1024, "agentic: mean new user tokens per turn")
 	fs.IntVar(&a.OutputLen, "output-len", 256, "agentic: mean output tokens per turn")
+	fs.BoolVar(&a.NoTotals, "no-totals", false, "agentic: sessions send only their id (x-prefix-id), no x-prefix-total-requests")
 }
 
 // validate checks the flags and returns the speed factors.
@@ -385,7 +386,11 @@ func (o *benchOptions) load(stderr io.Writer) ([]sim.Request, string, error) {
 			reqs = reqs[:o.limit]
 		}
 		c := cfg.Defaults()
-		return reqs, fmt.Sprintf("agentic: %d sessions × %d turns at %g sessions/s, think %v, %d system prompts of %d tokens", c.Sessions, c.Turns, c.SessionRate, c.ThinkTime, c.SystemPrompts, c.SystemPromptLen), nil
+		desc := fmt.Sprintf("agentic: %d sessions × %d turns at %g sessions/s, think %v, %d system prompts of %d tokens", c.Sessions, c.Turns, c.SessionRate, c.ThinkTime, c.SystemPrompts, c.SystemPromptLen)
+		if c.NoTotals {
+			desc += ", session ids without totals"
+		}
+		return reqs, desc, nil
 	}
 	f, err := os.Open(o.trace)
 	if err != nil {

@@ -297,3 +297,25 @@ func TestBenchReplicas(t *testing.T) {
 		t.Fatalf("sync none:\n%s\n%+v", out, none.Policies[0])
 	}
 }
+
+// TestBenchSessionIDsAlone: sessions that send only their id (--no-totals)
+// stay on their worker under kvbandit, even with prompts too short to
+// leave a cached block to follow (before, the prefix store saw no session
+// without a total: 51% of turns stayed).
+func TestBenchSessionIDsAlone(t *testing.T) {
+	t.Parallel()
+	jsonOut := filepath.Join(t.TempDir(), "out.json")
+	out, errOut, err := run(t, "--format", "agentic", "--no-totals", "--workers", "4", "--policy", "kvbandit",
+		"--sessions", "12", "--turns", "6", "--session-rate", "4", "--think-time", "2s", "--input-len", "8", "--output-len", "20",
+		"--system-prompt-len", "-1", "--json", jsonOut)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errOut)
+	}
+	if !strings.Contains(out, "session ids without totals") {
+		t.Errorf("output:\n%s", out)
+	}
+	rep := readReport(t, jsonOut)
+	if len(rep.Policies) != 1 || rep.Policies[0].Affinity < 0.85 {
+		t.Fatalf("kvbandit affinity with session ids alone: %+v", rep.Policies)
+	}
+}

@@ -59,7 +59,8 @@ func ageMillis(d int64) uint32 {
 // the peer, and charges their pins' outstanding work as Pin does. It
 // returns how many it took, and how many it left out: known here,
 // expired, or out of range (an empty or over-long id, counts out of
-// [0, MaxTotalRequests] or processed over total, a negative or non-finite
+// [0, MaxTotalRequests] or processed over an announced total (0: an
+// open session), a negative or non-finite
 // cost, a rank out of range); the last are counted as malformed.
 func (s *Store) Import(in []warmstate.Session) (imported, skipped, malformed int) {
 	order := make([]int, 0, len(in))
@@ -90,7 +91,7 @@ func validSession(ws *warmstate.Session) bool {
 	switch {
 	case ws.PrefixID == "" || len(ws.PrefixID) > MaxIDLen || len(ws.Tenant) > MaxIDLen:
 		return false
-	case ws.Total < 0 || ws.Total > MaxTotalRequests || ws.Processed < 0 || ws.Processed > ws.Total:
+	case ws.Total < 0 || ws.Total > MaxTotalRequests || ws.Processed < 0 || ws.Processed > MaxTotalRequests || (ws.Total > 0 && ws.Processed > ws.Total):
 		return false
 	case !ws.Pinned:
 		return true
@@ -129,7 +130,7 @@ func (s *Store) importOne(ws *warmstate.Session, now int64) bool {
 		At: time.Unix(0, now-int64(ws.PinAgeMillis)*int64(time.Millisecond)),
 	}
 	e.pin, e.pinned = p, true
-	if c := contribution(int(ws.Total-ws.Processed), p); c > 0 {
+	if c := contribution(budget(ws.Total, ws.Processed), p); c > 0 {
 		e.contrib = c
 		e.work = s.work.add(p.Endpoint, c)
 	}

@@ -49,6 +49,11 @@ const (
 	// MaxTotalRequests caps a client's announced total_requests, so that a
 	// hostile hint cannot make the outstanding work overflow.
 	MaxTotalRequests = 1 << 20
+	// MaxOpenReuse caps the reuse budget assumed for a session that
+	// announced no total (see [Store.Arrive]): its affinity weight
+	// R/(R+1) stays at most 8/9, and a policy that charges the budget as
+	// outstanding work charges at most 8 requests' worth for it.
+	MaxOpenReuse = 8
 	// maxContribution caps one prefix's outstanding work (in work units).
 	maxContribution = 1e9
 	// milli is the fixed-point scale of the outstanding work counters.
@@ -230,25 +235,39 @@ func (s *Store) Close() {
 }
 
 // Arrive counts a request of prefix k that announced totalRequests requests
-// in its group (values below 1 count as 1, as the reference does) and
-// returns the reuse budget remaining after it, R = max(total − processed, 0)
-// with total = max(total, totalRequests), together with the prefix's current
-// pin. ok is false when the prefix is pinned nowhere.
+// in its group and returns the reuse budget remaining after it, together
+// with the prefix's current pin. ok is false when the prefix is pinned
+// nowhere.
+//
+// With an announced total (totalRequests >= 1) the budget is
+// R = max(total − processed, 0), total = max(total, totalRequests): the
+// session's affinity ends when its announced total is reached.
+// totalRequests < 1 announces nothing (a session id alone, as
+// x-prefix-id without x-prefix-total-requests): such an open session is
+// assumed to continue, and its budget is the number of its requests seen
+// so far, capped at [MaxOpenReuse], R = min(processed, MaxOpenReuse): a
+// session expected to last as long again as it has lasted (Gott's
+// Copernican estimate, the median of the remaining length when nothing
+// else is known), so the affinity weight R/(R+1) grows from 1/2 to at most
+// MaxOpenReuse/(MaxOpenReuse+1) as the session proves itself. An open
+// session ends by expiry (TTL) or eviction; a total announced later
+// refines it (and ends it once reached).
 //
 // With commit false the call is a read-only peek (a Score): it returns what
 // a committed call would return and changes nothing, not even the entry's
-// recency. An empty prefix id, or a new prefix with a budget of zero, costs
-// nothing: no entry is made.
+// recency. An empty prefix id, or a new prefix that announces a total of
+// one, costs nothing: no entry is made.
 //
-// When the budget reaches zero the counter is reset, so a later request of
-// the same id starts a new group (the reference deletes its counter), and
-// the pin stays until [Store.Pin] with reuse 0 removes the entry.
+// When an announced budget reaches zero the counter is reset, so a later
+// request of the same id starts a new group (the reference deletes its
+// counter), and the pin stays until [Store.Pin] with reuse 0 removes the
+// entry.
 func (s *Store) Arrive(k Key, totalRequests int, commit bool) (reuse int, last Pin, ok bool) {
 	if k.PrefixID == "" {
 		return 0, Pin{}, false
 	}
 	k = k.bound()
-	total := int32(min(max(totalRequests, 1), MaxTotalRequests))
+	total := int32(min(max(totalRequests, 0), MaxTotalRequests)) // 0: none announced
 	now := s.now()
 	sh := s.shard(k)
 	sh.mu.Lock()
@@ -267,10 +286,10 @@ func (s *Store) Arrive(k Key, totalRequests int, commit bool) (reuse int, last P
 			t, p = e.total, e.processed
 			last, ok = e.pin, e.pinned
 		}
-		return int(max(max(t, total)-(p+1), 0)), last, ok
+		return budget(max(t, total), min(p+1, MaxTotalRequests)), last, ok
 	}
 	if e == nil {
-		if total <= 1 {
+		if total == 1 {
 			return 0, Pin{}, false
 		}
 		e = s.insert(sh, k)
@@ -278,8 +297,8 @@ func (s *Store) Arrive(k Key, totalRequests int, commit bool) (reuse int, last P
 		sh.moveToFront(e)
 	}
 	e.total = max(e.total, total)
-	e.processed++
-	reuse = int(max(e.total-e.processed, 0))
+	e.processed = min(e.processed+1, MaxTotalRequests)
+	reuse = budget(e.total, e.processed)
 	e.lastUse = now
 	last, ok = e.pin, e.pinned
 	if reuse == 0 {
@@ -290,6 +309,16 @@ func (s *Store) Arrive(k Key, totalRequests int, commit bool) (reuse int, last P
 		}
 	}
 	return reuse, last, ok
+}
+
+// budget is the reuse budget of a group with announced total (0: none)
+// after processed requests: what the announcement leaves, or for an open
+// group min(processed, MaxOpenReuse) (see [Store.Arrive]).
+func budget(total, processed int32) int {
+	if total > 0 {
+		return int(max(total-processed, 0))
+	}
+	return int(min(processed, MaxOpenReuse))
 }
 
 // Pin records that prefix k was routed to p with reuse requests expected

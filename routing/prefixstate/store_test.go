@@ -69,13 +69,44 @@ func TestMissingAndOneShotPrefixesCostNothing(t *testing.T) {
 		}
 		s.Pin(k, prefixstate.Pin{Endpoint: "a:1", DecodeCost: 1, IATFactor: 1}, 5)
 	}
-	for _, total := range []int{-3, 0, 1} {
-		if r, _, _ := s.Arrive(prefixstate.Key{PrefixID: "one-" + strconv.Itoa(total)}, total, true); r != 0 {
-			t.Fatalf("total %d: R = %d, want 0", total, r)
-		}
+	if r, _, _ := s.Arrive(prefixstate.Key{PrefixID: "one"}, 1, true); r != 0 {
+		t.Fatalf("total 1: R = %d, want 0", r)
 	}
 	if s.Len() != 0 || s.OutstandingWork("a:1") != 0 {
 		t.Fatalf("Len = %d, work = %v; want nothing stored", s.Len(), s.OutstandingWork("a:1"))
+	}
+}
+
+// A session id without an announced total is assumed to continue: its
+// budget is the requests seen so far, capped at MaxOpenReuse, and a total
+// announced later refines it and ends it once reached.
+func TestOpenSessionAssumedToContinue(t *testing.T) {
+	s, _ := newStore(t, prefixstate.Config{})
+	for _, total := range []int{-3, 0} {
+		k := prefixstate.Key{PrefixID: "open" + strconv.Itoa(total)}
+		n0 := s.Len()
+		if r, _, _ := s.Arrive(k, total, false); r != 1 || s.Len() != n0 {
+			t.Fatalf("total %d: peek R = %d, Len = %d; want 1, %d", total, r, s.Len(), n0)
+		}
+		for n := 1; n <= prefixstate.MaxOpenReuse+3; n++ {
+			r, _, _ := s.Arrive(k, total, true)
+			if want := min(n, prefixstate.MaxOpenReuse); r != want {
+				t.Fatalf("total %d, request %d: R = %d, want %d", total, n, r, want)
+			}
+			s.Pin(k, prefixstate.Pin{Endpoint: "a:1"}, r)
+		}
+	}
+	k := prefixstate.Key{PrefixID: "refined"}
+	s.Arrive(k, 0, true)
+	s.Arrive(k, 0, true) // processed 2
+	if r, _, _ := s.Arrive(k, 4, false); r != 1 {
+		t.Fatalf("peek with a total: R = %d, want 1", r)
+	}
+	if r, _, _ := s.Arrive(k, 4, true); r != 1 {
+		t.Fatalf("announced total 4 after 2: R = %d, want 1", r)
+	}
+	if r, _, _ := s.Arrive(k, 0, true); r != 0 {
+		t.Fatalf("announced total reached: R = %d, want 0", r)
 	}
 }
 

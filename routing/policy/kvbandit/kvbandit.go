@@ -25,9 +25,14 @@
 // per request, from the prefix hints, in pooled prefill time; it places new
 // sessions and sessionless requests and does not move a pinned session),
 // and A_w an affinity credit for the endpoint the request's session last
-// went to: the prompt's pooled prefill time × weight, shrinking with the
-// session's remaining reuse budget and decaying with the time since its
-// last request (on the scale of its inter-arrival hint). The lowest cost
+// went to: the prompt's pooled prefill time × weight × R/(R+1), R the
+// session's remaining reuse budget, decaying with the time since its last
+// request (on the scale of its inter-arrival hint). A session that
+// announces its total (x-prefix-total-requests) has R = total − seen, and
+// its affinity ends with its last request; a session id alone is assumed
+// to continue, R = min(seen, 8) (routing/prefixstate, Store.Arrive): its
+// credit grows from 1/2 to 8/9 of the full weight and it announces no
+// work. The lowest cost
 // wins; ties go to the smaller cache tree, then at random.
 //
 // The previous formulation (cost: blocks, registered as kvbandit_blocks)
@@ -230,6 +235,11 @@ type Session struct {
 	LastRank int
 	// Since is the time since the session's previous request.
 	Since time.Duration
+	// Open is set when the request announced no total: Reuse is then the
+	// prefix state's assumption (a session id alone is assumed to
+	// continue, see prefixstate.Store.Arrive), which earns the affinity
+	// credit but is not announced work (O_w).
+	Open bool
 }
 
 // Prefixes is the prefix state the policy needs (routing/prefixstate
@@ -353,7 +363,11 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 	idx := kv.Select(costs, s.Candidates, 0, s.Rand)
 	c := &s.Candidates[idx]
 	if commit && hasSess && p.prefixes != nil {
-		p.prefixes.Pin(s.Req, c.Key(), c.DPRank, sess.Reuse, float64(sess.Reuse)*(promptBlocks+outputBlocks(s.Req, bs)))
+		work := 0.0
+		if !sess.Open {
+			work = float64(sess.Reuse) * (promptBlocks + outputBlocks(s.Req, bs))
+		}
+		p.prefixes.Pin(s.Req, c.Key(), c.DPRank, sess.Reuse, work)
 	}
 	feat := latency.FromCandidate(c, s.ISL, bs, s.TierWeights)
 	ch := routing.Choice{Index: idx, Scores: costs, Sticky: hasSess && sess.Last != "" && sess.Last == c.Key()}

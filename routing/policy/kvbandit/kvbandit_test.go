@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/kvbandit/kvbandit/routing"
+	"github.com/kvbandit/kvbandit/routing/clock"
+	"github.com/kvbandit/kvbandit/routing/prefixstate"
 )
 
 func cands(keys ...string) []routing.Candidate {
@@ -376,6 +378,41 @@ func TestLowerTierOverlapCountsBetweenAHitAndAMiss(t *testing.T) {
 			if i, _ := decide(t, p, s); i != 0 {
 				t.Fatalf("chose %d with a CPU weight of 0, want the idle candidate", i)
 			}
+		}
+	})
+}
+
+// A session id alone (x-prefix-id without x-prefix-total-requests) keeps a
+// session on one worker: nine requests of one session, on four equal
+// workers, all go where the first went; with an announced total the
+// affinity ends at the last announced request.
+func TestSessionIDAloneGivesAffinity(t *testing.T) {
+	costs(t, func(t *testing.T, cfg Config) {
+		clk := clock.NewVirtual(time.Unix(100, 0))
+		st, err := prefixstate.New(prefixstate.Config{}, clk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(st.Close)
+		p, err := New(cfg, FromStore(st, clk))
+		if err != nil {
+			t.Fatal(err)
+		}
+		rnd := routing.NewRand(7)
+		cs := cands("a:1", "b:1", "c:1", "d:1")
+		seen := map[routing.EndpointKey]int{}
+		for range 9 {
+			s := scoring(cs, rnd)
+			s.Req.Hints.PrefixID = "s1"
+			i, _ := decide(t, p, s)
+			seen[cs[i].Key()]++
+			clk.Step(time.Second)
+		}
+		if len(seen) != 1 {
+			t.Fatalf("nine requests of one session went to %d workers: %v", len(seen), seen)
+		}
+		if w := st.OutstandingWork(cs[0].Key()) + st.OutstandingWork("b:1") + st.OutstandingWork("c:1") + st.OutstandingWork("d:1"); w != 0 {
+			t.Fatalf("a session without a total announced work %v", w)
 		}
 	})
 }

@@ -29,7 +29,7 @@ func (p storePrefixes) Arrive(r *routing.Request, commit bool) (Session, bool) {
 		return Session{}, false
 	}
 	reuse, last, pinned := p.s.Arrive(key(r), r.Hints.TotalRequests, commit)
-	sess := Session{Reuse: reuse, LastRank: -1}
+	sess := Session{Reuse: reuse, LastRank: -1, Open: r.Hints.TotalRequests < 1}
 	if pinned {
 		sess.Last, sess.LastRank = last.Endpoint, last.DPRank
 		if !last.At.IsZero() {

@@ -57,6 +57,11 @@ type CompatConfig struct {
 	// was pinned, as the reference does; fixed: the vector used for scoring
 	// is stored.
 	RebuiltFeatures bool `json:"rebuilt_features"`
+	// SessionNeedsTotal counts a request that announces no total as a
+	// group of one, as the reference does: a prefix id alone then earns no
+	// affinity. Fixed: such a session is assumed to continue (see
+	// prefixstate.Store.Arrive).
+	SessionNeedsTotal bool `json:"session_needs_total"`
 }
 
 // AffinityConfig is the bonus for staying on the prefix's last endpoint.
@@ -213,7 +218,7 @@ func (c *Config) Validate() error {
 // compat returns the effective compatibility switches.
 func (c *Config) compat() CompatConfig {
 	if c.ReferenceCompat {
-		return CompatConfig{ScaledSwitchingCost: true, NoPrefixExpiry: true, LateJoinersBlind: true, RebuiltFeatures: true}
+		return CompatConfig{ScaledSwitchingCost: true, NoPrefixExpiry: true, LateJoinersBlind: true, RebuiltFeatures: true, SessionNeedsTotal: true}
 	}
 	return c.Compat
 }

@@ -28,7 +28,7 @@ func (p *Policy) StartRemote(req *routing.Request, s *routing.RemoteStart) {
 		return
 	}
 	key := prefixstate.NewKey(req.Tenant, h.PrefixID)
-	reuse, _, _ := p.prefix.Arrive(key, h.TotalRequests, true)
+	reuse, _, _ := p.prefix.Arrive(key, p.total(h), true)
 	p.prefix.Pin(key, prefixstate.Pin{
 		Endpoint: s.Endpoint, DPRank: s.DPRank,
 		DecodeCost:  decodeCosts[levelIndex(h.OSL)],

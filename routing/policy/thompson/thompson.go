@@ -337,7 +337,7 @@ func (p *Policy) terms(s *routing.Scoring, commit bool, out []candidateTerms) re
 	rq.iatFactor = iatFactors[levelIndex(h.IAT)]
 	if h.PrefixID != "" {
 		rq.key = prefixstate.NewKey(tenant, h.PrefixID)
-		rq.reuse, rq.last, rq.hasLast = p.prefix.Arrive(rq.key, h.TotalRequests, commit)
+		rq.reuse, rq.last, rq.hasLast = p.prefix.Arrive(rq.key, p.total(h), commit)
 	}
 	r := float64(rq.reuse)
 	div := 1 + r*rq.iatFactor
@@ -399,6 +399,15 @@ func (p *Policy) terms(s *routing.Scoring, commit bool, out []candidateTerms) re
 		}
 	}
 	return rq
+}
+
+// total is the request's announced total as the prefix store reads it:
+// with compat.session_needs_total a missing one counts as 1 (no session).
+func (p *Policy) total(h routing.Hints) int {
+	if p.compat.SessionNeedsTotal {
+		return max(h.TotalRequests, 1)
+	}
+	return h.TotalRequests
 }
 
 // overlapFraction is the share of a prompt of isl tokens that its overlap

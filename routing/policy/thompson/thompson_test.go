@@ -575,3 +575,31 @@ func TestStickyLoadFloor(t *testing.T) {
 		t.Errorf("R = 0: %+v", terms)
 	}
 }
+
+// A prefix id without a total is a session assumed to continue: its second
+// request has a reuse budget and knows where the first went. With
+// compat.session_needs_total (the reference) it is a group of one.
+func TestSessionIDAloneIsASession(t *testing.T) {
+	for _, needsTotal := range []bool{false, true} {
+		cfg := DefaultConfig()
+		cfg.Compat.SessionNeedsTotal = needsTotal
+		p := newPolicy(t, cfg, nil)
+		s := &routing.Scoring{
+			Req:       &routing.Request{Tenant: "t", Hints: routing.Hints{PrefixID: "s1", OSL: routing.LevelMedium, IAT: routing.LevelLow}},
+			BlockSize: 16, ISL: 256,
+			Candidates: []routing.Candidate{cand(epA, 0, routing.Load{Known: true}), cand(epB, 0, routing.Load{Known: true})},
+			Rand:       routing.NewRand(1), Now: t0,
+		}
+		if _, err := p.Choose(s, true); err != nil {
+			t.Fatal(err)
+		}
+		terms := make([]candidateTerms, len(s.Candidates))
+		rq := p.terms(s, false, terms)
+		if needsTotal && (rq.reuse != 0 || rq.hasLast) {
+			t.Fatalf("session_needs_total: reuse %d, hasLast %v; want a group of one", rq.reuse, rq.hasLast)
+		}
+		if !needsTotal && (rq.reuse != 2 || !rq.hasLast) {
+			t.Fatalf("reuse %d, hasLast %v; want 2 (two seen), pinned", rq.reuse, rq.hasLast)
+		}
+	}
+}

@@ -40,6 +40,9 @@ type AgenticConfig struct {
 	// 1024); OutputLen the mean answer length (default 256). Each turn
 	// draws uniformly in [mean/2, 3·mean/2].
 	InputLen, OutputLen int
+	// NoTotals leaves TotalRequests out of the hints: each session sends
+	// only its id (x-prefix-id without x-prefix-total-requests).
+	NoTotals bool
 	// Seed makes the workload repeatable.
 	Seed int64
 	// Model is copied into every request.
@@ -110,8 +113,8 @@ func (c AgenticConfig) Validate() error {
 
 // Agentic generates the workload: one request per turn, sorted by
 // arrival. Requests of a session carry Hints{PrefixID: "s<i>",
-// TotalRequests: turns, OSL/OSLTokens: the answer length, IAT/IATMillis:
-// the think time}. The same config gives the same requests.
+// TotalRequests: turns (0 with NoTotals), OSL/OSLTokens: the answer
+// length, IAT/IATMillis: the think time}. The same config gives the same requests.
 func Agentic(cfg AgenticConfig) ([]sim.Request, error) {
 	cfg = cfg.Defaults()
 	if err := cfg.Validate(); err != nil {
@@ -125,6 +128,10 @@ func Agentic(cfg AgenticConfig) ([]sim.Request, error) {
 		return mean/2 + rng.IntN(mean+1)
 	}
 	iatMillis := int(cfg.ThinkTime / time.Millisecond)
+	total := cfg.Turns
+	if cfg.NoTotals {
+		total = 0
+	}
 	reqs := make([]sim.Request, 0, cfg.Sessions*cfg.Turns)
 	var start time.Duration
 	for s := range cfg.Sessions {
@@ -150,7 +157,7 @@ func Agentic(cfg AgenticConfig) ([]sim.Request, error) {
 				Tenant:    tenant,
 				Hints: routing.Hints{
 					PrefixID:      "s" + strconv.Itoa(s),
-					TotalRequests: cfg.Turns,
+					TotalRequests: total,
 					OSL:           oslLevel(out),
 					OSLTokens:     out,
 					IAT:           iatLevel(iatMillis),

@@ -356,3 +356,18 @@ func TestTraceJitter(t *testing.T) {
 		t.Error("negative jitter accepted")
 	}
 }
+
+// With NoTotals a session's requests carry its id and no total.
+func TestAgenticNoTotals(t *testing.T) {
+	for _, noTotals := range []bool{false, true} {
+		reqs, err := Agentic(AgenticConfig{Sessions: 3, Turns: 4, NoTotals: noTotals, Seed: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range reqs {
+			if want := map[bool]int{false: 4, true: 0}[noTotals]; r.Hints.PrefixID == "" || r.Hints.TotalRequests != want {
+				t.Fatalf("NoTotals %v: hints %+v, want a prefix id and total %d", noTotals, r.Hints, want)
+			}
+		}
+	}
+}
