@@ -179,6 +179,11 @@ type DiscoveryConfig struct {
 	EDS *EDSConfig `json:"eds,omitempty"`
 	// DNS paces and bounds the resolution of endpoint host names.
 	DNS *DNSConfig `json:"dns,omitempty"`
+	// AllowLinkLocal accepts endpoints at link-local addresses
+	// (169.254.0.0/16, fe80::/10, where clouds serve instance metadata and
+	// credentials; --discovery-allow-link-local). Without it a static list
+	// naming one is refused and discovered ones are dropped.
+	AllowLinkLocal bool `json:"allow_link_local,omitempty"`
 }
 
 // DNSConfig is routing/discovery/dns's configuration; zero fields take its

@@ -387,3 +387,25 @@ func FuzzParseEndpointsFile(f *testing.F) {
 		}
 	})
 }
+
+func TestHubDropsLinkLocalUnlessAllowed(t *testing.T) {
+	e := newEngine(t)
+	h := discovery.NewHub(discovery.HubDeps{Engine: e})
+	if err := h.Publish(set("dns", "10.0.0.1:8000", "169.254.169.254:80", "[fe80::1]:8000")); err != nil {
+		t.Fatal(err)
+	}
+	if got := keys(e); !slices.Equal(got, []string{"10.0.0.1:8000"}) {
+		t.Fatalf("engine = %v, want the link-local endpoints dropped", got)
+	}
+	if n := h.Stats().Skipped[[2]string{"dns", discovery.ReasonLinkLocal}]; n != 2 {
+		t.Fatalf("skipped link_local = %d, want 2", n)
+	}
+	e2 := newEngine(t)
+	h2 := discovery.NewHub(discovery.HubDeps{Engine: e2, AllowLinkLocal: true})
+	if err := h2.Publish(set("dns", "10.0.0.1:8000", "169.254.169.254:80")); err != nil {
+		t.Fatal(err)
+	}
+	if got := keys(e2); len(got) != 2 {
+		t.Fatalf("allowed: engine = %v", got)
+	}
+}
