@@ -149,6 +149,9 @@ func (h *Hub) Publish(set routing.EndpointSet) error {
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if !h.has {
+		h.log.Info("first endpoint set", "source", set.Source, "endpoints", len(set.Endpoints))
+	}
 	h.desired, h.has = set, true
 	if err := h.applyLocked(); err != nil {
 		return err
@@ -263,8 +266,12 @@ func (h *Hub) SetDegraded(source string, err error) {
 	switch {
 	case err != nil:
 		h.degraded[source] = err.Error()
-		if !was {
+		switch {
+		case was:
+		case h.has:
 			h.log.Warn("discovery degraded: serving the last known endpoint set", "source", source, "err", err)
+		default:
+			h.log.Warn("discovery degraded: no endpoint set known yet, nothing to serve", "source", source, "err", err)
 		}
 	case was:
 		delete(h.degraded, source)
