@@ -33,7 +33,7 @@ CA_BUNDLE  ?= /etc/ssl/certs/ca-certificates.crt
 
 .PHONY: help
 help: ## list targets
-	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z_-]+:.*## /{printf "  \033[1m%-13s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z0-9_-]+:.*## /{printf "  \033[1m%-13s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 .PHONY: debs
 debs: ## install the Debian packages the test suites need, only those missing (root + apt-get; else it names them)

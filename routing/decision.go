@@ -52,8 +52,11 @@ type Decision struct {
 	OverlapCPU, OverlapDisk int
 	// Candidates is the number of candidates the policy chose from.
 	Candidates int
-	// Scores are the per-candidate scores, when the policy produces them.
-	Scores []Score
+	// Scores are the per-candidate scores, when the policy produces them;
+	// ScoresHigherIsBetter says the highest is best (false: costs, lower is
+	// better).
+	Scores               []Score
+	ScoresHigherIsBetter bool
 	// At is when the decision was made.
 	At time.Time
 	// Sticky is set when the policy kept the request on its session's

@@ -123,7 +123,8 @@ const (
 )
 
 // Validate checks the set before it is published: every key is a literal
-// "ip:port" with a non-zero port, keys are unique and canonical, numeric
+// "ip:port" with a non-zero port and an address that can be a worker's
+// (not unspecified, 0.0.0.0 or ::, and not multicast), keys are unique and canonical, numeric
 // fields are not negative, and counts and lengths are within the limits
 // above. It fills each endpoint's parsed address.
 func (s *EndpointSet) Validate() error {
@@ -139,6 +140,9 @@ func (s *EndpointSet) Validate() error {
 		ap, err := ParseAddrPort(string(e.Key))
 		if err != nil {
 			return fmt.Errorf("%w: endpoint %d: %w", ErrInvalidEndpointSet, i, err)
+		}
+		if a := ap.Addr(); a.IsUnspecified() || a.IsMulticast() {
+			return fmt.Errorf("%w: endpoint %d: %q is an unspecified or multicast address, not a worker's (give the address the worker is reached at)", ErrInvalidEndpointSet, i, e.Key)
 		}
 		if canon := EndpointKey(ap.String()); canon != e.Key {
 			return fmt.Errorf("%w: endpoint %d: %q is not canonical (want %q)", ErrInvalidEndpointSet, i, e.Key, canon)

@@ -23,6 +23,9 @@ type Choice struct {
 	Index  int
 	Ranked []int
 	Scores []float64
+	// HigherIsBetter says the Scores rank candidates highest first (the
+	// policy picks the highest); false: they are costs, lower is better.
+	HigherIsBetter bool
 	// State is kept in the Decision and handed back to the policy's Done.
 	State any
 	// Sticky is set when the request stayed on its session's previous

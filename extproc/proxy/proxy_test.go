@@ -443,6 +443,15 @@ func TestProxyRouteHasNoSideEffects(t *testing.T) {
 	if first.Endpoint != warmed || first.OverlapBlocks == 0 || first.Tokens == 0 || len(first.Scores) != 3 || first.Policy != "kv" || first.DPRank != -1 {
 		t.Fatalf("route = %+v, want endpoint %s with overlap", first, warmed)
 	}
+	// The answer says how to read its scores: kv's are costs.
+	if first.ScoreOrder != proxy.ScoreLowerIsBetter {
+		t.Errorf("score_order = %q, want %q", first.ScoreOrder, proxy.ScoreLowerIsBetter)
+	}
+	for k, v := range first.Scores {
+		if v < first.Scores[first.Endpoint] {
+			t.Errorf("%s scores %v, below the chosen %s's %v, with lower is better", k, v, first.Endpoint, first.Scores[first.Endpoint])
+		}
+	}
 	var raw map[string]any
 	_, b := f.post(t, proxy.RoutePath, []byte(`{"model":"test-model","prompt":"hi"}`))
 	if err := json.Unmarshal(b, &raw); err != nil || raw["endpoint"] == nil || raw["scores"] == nil || raw["tokens"] == nil || raw["overlap_blocks"] == nil {
@@ -457,6 +466,22 @@ func TestProxyRouteHasNoSideEffects(t *testing.T) {
 	for _, w := range f.workers {
 		if n := len(w.Requests()); w.Addr() != warmed && n != 0 || w.Addr() == warmed && n != 1 {
 			t.Errorf("worker %s got %d requests", w.Addr(), n)
+		}
+	}
+}
+
+// TestProxyRouteScoreOrder: policies whose scores rank highest first say
+// so; policies without scores say nothing.
+func TestProxyRouteScoreOrder(t *testing.T) {
+	for policy, want := range map[string]string{"least_loaded": proxy.ScoreHigherIsBetter, "round_robin": ""} {
+		f := newFixture(t, options{workers: 2, policy: policy})
+		resp, b := f.post(t, proxy.RoutePath, chatBody("test-model", "hi", ""))
+		var got proxy.RouteResponse
+		if resp.StatusCode != 200 || json.Unmarshal(b, &got) != nil {
+			t.Fatalf("%s: route: %d %s", policy, resp.StatusCode, b)
+		}
+		if got.ScoreOrder != want {
+			t.Errorf("%s: score_order = %q, want %q (%s)", policy, got.ScoreOrder, want, b)
 		}
 	}
 }

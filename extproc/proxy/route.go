@@ -29,6 +29,10 @@ type RouteResponse struct {
 	// score (round_robin, random); a non-finite score is left out. Keyed by "ip:port", or "ip:port#rank"
 	// for data-parallel ranks.
 	Scores map[string]float64 `json:"scores"`
+	// ScoreOrder says how to read Scores: "lower_is_better" (costs: kv,
+	// kvbandit) or "higher_is_better" (least_loaded, thompson, weighted);
+	// absent when there are no scores.
+	ScoreOrder string `json:"score_order,omitempty"`
 	// Predicted is each candidate's predicted time to first token and its
 	// parts (wait for the work ahead, prefill of the uncached tokens, delay
 	// added to the sequences decoding there), in milliseconds, keyed as
@@ -49,6 +53,12 @@ type RouteResponse struct {
 	Prefill string `json:"prefill,omitempty"`
 	PD      string `json:"pd,omitempty"`
 }
+
+// The values of RouteResponse.ScoreOrder.
+const (
+	ScoreLowerIsBetter  = "lower_is_better"
+	ScoreHigherIsBetter = "higher_is_better"
+)
 
 // route answers POST /v1/route through the engine's side-effect-free
 // Score. The body is a chat request (it has "messages") or a completion
@@ -85,6 +95,12 @@ func (p *Proxy) route(w http.ResponseWriter, r *http.Request) {
 		OverlapBlocks: d.Overlap, Tokens: req.TokenCount, Estimated: req.Estimated, Prefill: string(d.Prefill)}
 	if d.PD != routing.PDNoPrefillEndpoints {
 		out.PD = d.PD.String()
+	}
+	if len(d.Scores) > 0 {
+		out.ScoreOrder = ScoreLowerIsBetter
+		if d.ScoresHigherIsBetter {
+			out.ScoreOrder = ScoreHigherIsBetter
+		}
 	}
 	for _, s := range d.Scores {
 		if !math.IsNaN(s.Score) && !math.IsInf(s.Score, 0) { // JSON has no infinities

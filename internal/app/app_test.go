@@ -146,7 +146,12 @@ func TestEnvoyConfigCommand(t *testing.T) {
 	if !strings.Contains(out, "type: STRICT_DNS") || !strings.Contains(out, "dns_refresh_rate: 10s") || !strings.Contains(out, `"workers.llm.svc"`) {
 		t.Fatal("a host name did not make a STRICT_DNS cluster")
 	}
-	for _, bad := range [][]string{{}, {"--endpoints", "bad..host:1"}, {"--endpoints", "host:1", "--dns-refresh", "-1s"}, {"--endpoints", "10.0.0.1:1", "--body-mode", "x"}} {
+	// Worker URLs, as serve --endpoints takes them.
+	out, _, err = run(t, "envoy-config", "--endpoints", "http://10.0.0.7:8000/,http://10.0.0.8:8001")
+	if err != nil || !strings.Contains(out, "10.0.0.7") || strings.Contains(out, "http://10.0.0.7") {
+		t.Fatalf("worker URLs: %v\n%s", err, out)
+	}
+	for _, bad := range [][]string{{}, {"--endpoints", "bad..host:1"}, {"--endpoints", "0.0.0.0:8000"}, {"--endpoints", "https://10.0.0.1:8443"}, {"--endpoints", "host:1", "--dns-refresh", "-1s"}, {"--endpoints", "10.0.0.1:1", "--body-mode", "x"}} {
 		if _, _, err := run(t, append([]string{"envoy-config"}, bad...)...); ExitCode(err) != 2 {
 			t.Errorf("%v: %v", bad, err)
 		}

@@ -184,6 +184,11 @@ type DiscoveryConfig struct {
 	EDS *EDSConfig `json:"eds,omitempty"`
 	// DNS paces and bounds the resolution of endpoint host names.
 	DNS *DNSConfig `json:"dns,omitempty"`
+	// AllowLinkLocal accepts endpoints at link-local addresses
+	// (169.254.0.0/16, fe80::/10, where clouds serve instance metadata and
+	// credentials; --discovery-allow-link-local). Without it a static list
+	// naming one is refused and discovered ones are dropped.
+	AllowLinkLocal bool `json:"allow_link_local,omitempty"`
 }
 
 // DNSConfig is routing/discovery/dns's configuration; zero fields take its
@@ -459,12 +464,12 @@ func (c *FileConfig) Validate() error {
 }
 
 func (d *DiscoveryConfig) validate(static bool) error {
-	sources := 0
+	var sources []string // the keys that set a source
 	if static {
-		sources++
+		sources = append(sources, "endpoints")
 	}
 	if d.File != nil {
-		sources++
+		sources = append(sources, "discovery.file")
 		if d.File.Path == "" {
 			return fmt.Errorf("discovery.file.path: must not be empty")
 		}
@@ -473,20 +478,20 @@ func (d *DiscoveryConfig) validate(static bool) error {
 		}
 	}
 	if d.Etcd != nil {
-		sources++
+		sources = append(sources, "discovery.etcd")
 		d.Etcd.Defaults()
 		if err := d.Etcd.Validate(); err != nil {
 			return fmt.Errorf("discovery.etcd: %w", err)
 		}
 	}
 	if k := d.Kube; k != nil {
-		sources++
+		sources = append(sources, "discovery.kube")
 		if k.Pool == "" && len(k.Selector) == 0 {
 			return fmt.Errorf("discovery.kube: give pool, or selector and target_ports")
 		}
 	}
-	if sources > 1 {
-		return fmt.Errorf("discovery: give one source of endpoints (endpoints, discovery.file, discovery.etcd or discovery.kube)")
+	if len(sources) > 1 {
+		return &sourcesError{keys: sources}
 	}
 	if n := d.DNS; n != nil && (!(n.RefreshSecs >= 0) || !(n.TimeoutSecs >= 0) || n.MaxAddresses < 0 || n.MaxAddresses > routing.MaxEndpoints) {
 		return fmt.Errorf("discovery.dns: refresh_secs and timeout_secs must be >= 0, max_addresses in 0..%d", routing.MaxEndpoints)
@@ -495,6 +500,16 @@ func (d *DiscoveryConfig) validate(static bool) error {
 		return fmt.Errorf("discovery.eds.addr: must not be empty")
 	}
 	return nil
+}
+
+// sourcesError is a file that sets more than one source of endpoints;
+// [locate] points at the key that comes second in the file.
+type sourcesError struct{ keys []string }
+
+const oneSource = "give one source of endpoints (endpoints, discovery.file, discovery.etcd or discovery.kube)"
+
+func (e *sourcesError) Error() string {
+	return fmt.Sprintf("%s: %s, not %s", e.keys[len(e.keys)-1], oneSource, strings.Join(e.keys, " and "))
 }
 
 func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }

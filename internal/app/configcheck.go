@@ -21,11 +21,12 @@ import (
 // start-up checks of a config file (and of any serve flags given with it)
 // without serving.
 func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) error {
-	const usage = "usage: kvbandit config check FILE [serve flags]"
+	// usage follows ErrUsage ("usage: ...") in errors.
+	const usage = "kvbandit config check FILE [serve flags]"
 	fs := flag.NewFlagSet("config check", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, usage)
+		fmt.Fprintln(stderr, "usage:", usage)
 		fs.PrintDefaults()
 	}
 	var o ServeOptions

@@ -36,6 +36,10 @@ func TestParseConfigErrors(t *testing.T) {
 		{"out of range", "router:\n  queue_policy: lifo\n", []string{`config:2: router.queue_policy: want fcfs or wspt, got "lifo"`}},
 		{"empty tokenizer", "models:\n  m:\n    tokenizer: \"\"\n", []string{`config:3: models["m"].tokenizer: must not be empty`}},
 		{"not a mapping", "- a\n", []string{"config: cannot unmarshal array"}},
+		// Two sources of endpoints: the error is on whichever comes second.
+		{"endpoints then discovery", "endpoints:\n- address: 10.0.0.1:8000\ndiscovery:\n  file:\n    path: /x\n", []string{"config:4: discovery.file: give one source of endpoints", "endpoints is already set on line 1"}},
+		{"discovery then endpoints", "discovery:\n  file:\n    path: /x\nendpoints:\n- address: 10.0.0.1:8000\n", []string{"config:4: endpoints: give one source of endpoints", "discovery.file is already set on line 2"}},
+		{"etcd then file", "discovery:\n  etcd:\n    endpoints: [10.0.0.1:2379]\n  file:\n    path: /x\n", []string{"config:4: discovery.file: give one source", "discovery.etcd is already set on line 2"}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -115,6 +119,7 @@ func TestConfigCheck(t *testing.T) {
 		{"tokenizer garbage", []string{writeFile(t, "m.yaml", "models:\n  m:\n    tokenizer: "+writeFile(t, "tokenizer.json", "{not json")+"\n")}, 1, `models["m"].tokenizer`},
 		{"unknown policy", []string{good, "--policy", "nope"}, 2, "--policy"},
 		{"no file", nil, 2, "usage: kvbandit config check FILE"},
+		{"extra arguments", []string{good, "two"}, 2, `unexpected arguments ["two"]; kvbandit config check FILE`},
 		{"sync without credentials", []string{writeFile(t, "s.yaml", "sync:\n  nats:\n    servers: [nats://10.0.0.1:4222]\n")}, 2, "--sync-allow-anonymous"},
 		{"--sync-nats without credentials", []string{writeFile(t, "s2.yaml", "router: {block_size: 16}\n"), "--sync-nats", "nats://10.0.0.1:4222"}, 2, "needs NATS credentials"},
 	}
@@ -124,6 +129,9 @@ func TestConfigCheck(t *testing.T) {
 			err := RunIO(t.Context(), append([]string{"config", "check"}, c.args...), nil, &out, io.Discard)
 			if err == nil || ExitCode(err) != c.code || !strings.Contains(err.Error(), c.want) {
 				t.Fatalf("err = %v (exit %d), want exit %d with %q", err, ExitCode(err), c.code, c.want)
+			}
+			if strings.Contains(err.Error(), "usage: usage:") {
+				t.Errorf("err = %v: usage said twice", err)
 			}
 			if out.Len() != 0 {
 				t.Errorf("printed %q on failure", out.String())

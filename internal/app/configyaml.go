@@ -290,6 +290,29 @@ func mappingKey(n *yamlv3.Node, match func(string) bool) int {
 	return -1
 }
 
+// locateSources points at whichever source key comes second in the file
+// (by line), naming the first.
+func locateSources(file string, root *yamlv3.Node, se *sourcesError) error {
+	first, second := "", ""
+	firstLine, secondLine := 0, 0
+	for _, k := range se.keys {
+		l := lineOf(root, k)
+		switch {
+		case l == 0:
+			continue
+		case firstLine == 0 || l < firstLine:
+			first, firstLine, second, secondLine = k, l, first, firstLine
+		case secondLine == 0 || l < secondLine:
+			second, secondLine = k, l
+		}
+	}
+	if secondLine == 0 {
+		return &configError{file: file, msg: se.Error()}
+	}
+	return &configError{file: file, line: secondLine, path: second,
+		msg: fmt.Sprintf("%s; %s is already set on line %d", oneSource, first, firstLine)}
+}
+
 // validationPath is the key path a validation message starts with
 // ("router.block_size: must be > 0").
 var validationPath = regexp.MustCompile(`^([A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+|\["(?:[^"\\]|\\.)*"\]|\[\d+\])*): `)
@@ -297,6 +320,9 @@ var validationPath = regexp.MustCompile(`^([A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+|\["(?
 // locate turns a validation error into a configError with the line of the
 // key its message names (when it names one found in root).
 func locate(file string, root *yamlv3.Node, err error) error {
+	if se, ok := errors.AsType[*sourcesError](err); ok && root != nil {
+		return locateSources(file, root, se)
+	}
 	msg := err.Error()
 	if m := validationPath.FindStringSubmatch(msg); m != nil && root != nil {
 		if line := lineOf(root, m[1]); line > 0 {

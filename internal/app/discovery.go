@@ -72,6 +72,13 @@ func discoverySources(o ServeOptions, c *FileConfig, log *slog.Logger) (static *
 	if src != nil {
 		sources = append(sources, src)
 	}
+	if static != nil && !allowLinkLocal(o, c) {
+		for _, ep := range static.Endpoints {
+			if discovery.IsLinkLocal(ep.Key) {
+				return nil, nil, nil, fmt.Errorf("%w: endpoint %q is link-local (169.254.0.0/16, fe80::/10, where clouds serve instance metadata): give the worker's routable address, or allow it with --discovery-allow-link-local (config discovery.allow_link_local)", routing.ErrInvalidEndpointSet, ep.Key)
+			}
+		}
+	}
 	n := len(sources)
 	if static != nil {
 		n++
@@ -88,6 +95,12 @@ func discoverySources(o ServeOptions, c *FileConfig, log *slog.Logger) (static *
 		sources, static = []discovery.Source{discovery.Static{Set: *static}}, nil
 	}
 	return static, sources, obj, nil
+}
+
+// allowLinkLocal reports whether link-local endpoints are allowed
+// (--discovery-allow-link-local or discovery.allow_link_local).
+func allowLinkLocal(o ServeOptions, c *FileConfig) bool {
+	return o.DiscoveryAllowLinkLocal || c.Discovery.AllowLinkLocal
 }
 
 // withDNS wraps every source so that records naming their host by DNS

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/netip"
@@ -153,4 +154,42 @@ func TestServeRejectsBadHostNames(t *testing.T) {
 	if err := c.Validate(); err != nil || c.Endpoints[0].Key != "workers.svc:8000" {
 		t.Fatalf("config with a name: %v %+v", err, c.Endpoints)
 	}
+}
+
+// TestServeStartLineWhileNamesResolve: before a name has resolved, the
+// start-up line says the endpoints are being discovered, not endpoints=0.
+func TestServeStartLineWhileNamesResolve(t *testing.T) {
+	listen := func() net.Listener {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	ready := make(chan struct{})
+	ls := &Listeners{GRPC: listen(), Health: listen(), Metrics: listen(), Ready: func(_, _, _ string) { close(ready) }}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	// .invalid never resolves (RFC 6761), so no set is published.
+	o := ServeOptions{Endpoints: "kvbandit-test.invalid:8000", Policy: "round_robin", MaxBodyBytes: 1 << 20, MaxInflight: 8, DecisionTimeout: time.Second,
+		DrainTimeout: 100 * time.Millisecond, StopGrace: 100 * time.Millisecond, ResponseProcessing: true, LogLevel: "info", LogFormat: "text", DNSRefresh: time.Hour}
+	logs := &syncBuffer{}
+	done := make(chan error, 1)
+	go func() { done <- Serve(ctx, o, slog.New(slog.NewJSONHandler(logs, nil)), ls) }()
+	select {
+	case <-ready:
+	case err := <-done:
+		t.Fatalf("serve exited: %v", err)
+	}
+	var ep any
+	for line := range strings.Lines(logs.String()) {
+		var rec map[string]any
+		if json.Unmarshal([]byte(line), &rec) == nil && rec["msg"] == "kvbandit serving" {
+			ep = rec["endpoints"]
+		}
+	}
+	if s, ok := ep.(string); !ok || !strings.Contains(s, "being discovered") {
+		t.Errorf("start-up line endpoints = %v, want that they are being discovered; logs:\n%s", ep, logs)
+	}
+	stopServe(t, cancel, done)
 }

@@ -5,11 +5,11 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"strings"
 	"time"
 
 	"github.com/kvbandit/kvbandit/envoy"
 	"github.com/kvbandit/kvbandit/internal/cmdline"
+	"github.com/kvbandit/kvbandit/routing/discovery"
 )
 
 // runEnvoyConfig prints an Envoy bootstrap for the given workers, validated
@@ -17,7 +17,7 @@ import (
 func runEnvoyConfig(_ context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("envoy-config", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	endpoints := fs.String("endpoints", "", "workers \"host:port[,host:port...]\": the cluster's hosts, the same list as serve --endpoints (required); with any DNS name the cluster is STRICT_DNS (every A/AAAA address a host)")
+	endpoints := fs.String("endpoints", "", "workers \"host:port[,host:port...]\" (or http://host:port): the cluster's hosts, the same list as serve --endpoints (required); with any DNS name the cluster is STRICT_DNS (every A/AAAA address a host)")
 	dnsRefresh := fs.Duration("dns-refresh", envoy.DefaultDNSRefresh, "STRICT_DNS dns_refresh_rate when an endpoint is a name (keep = serve --dns-refresh)")
 	extProc := fs.String("ext-proc-addr", envoy.DefaultExtProcAddr, "kvbandit's ext_proc address as Envoy reaches it")
 	healthPort := fs.Int("health-port", envoy.DefaultHealthPort, "kvbandit's gRPC health port")
@@ -36,8 +36,14 @@ func runEnvoyConfig(_ context.Context, args []string, stdout, stderr io.Writer) 
 		ExtProcAddr: *extProc, HealthPort: *healthPort, ListenAddr: *listen, AdminAddr: *admin,
 		MaxBodyBytes: *maxBody, MessageTimeout: *msgTimeout, DNSRefresh: *dnsRefresh,
 	}
-	for _, e := range strings.Split(*endpoints, ",") {
-		opts.Endpoints = append(opts.Endpoints, strings.TrimSpace(e))
+	// The same parser as serve --endpoints: worker URLs become host:port,
+	// unspecified addresses are refused.
+	set, err := discovery.ParseEndpointList(*endpoints)
+	if err != nil {
+		return fmt.Errorf("%w: --endpoints: %w", ErrUsage, err)
+	}
+	for _, e := range set.Endpoints {
+		opts.Endpoints = append(opts.Endpoints, string(e.Key))
 	}
 	switch *mode {
 	case "full-duplex":

@@ -194,3 +194,20 @@ func TestServeKubeFlags(t *testing.T) {
 		t.Error("discovery.kube and discovery.file: no error")
 	}
 }
+
+func TestStaticLinkLocalNeedsTheOption(t *testing.T) {
+	log := slog.New(slog.DiscardHandler)
+	c := DefaultFileConfig()
+	_, _, _, err := discoverySources(ServeOptions{Endpoints: "10.0.0.1:8000,http://169.254.169.254:80"}, &c, log)
+	if err == nil || !strings.Contains(err.Error(), "--discovery-allow-link-local") {
+		t.Fatalf("link-local in --endpoints: err = %v", err)
+	}
+	static, _, _, err := discoverySources(ServeOptions{Endpoints: "http://169.254.10.1:8000", DiscoveryAllowLinkLocal: true}, &c, log)
+	if err != nil || static == nil || static.Endpoints[0].Key != "169.254.10.1:8000" {
+		t.Fatalf("allowed: %+v, %v", static, err)
+	}
+	c.Discovery.AllowLinkLocal = true
+	if _, _, _, err := discoverySources(ServeOptions{Endpoints: "[fe80::1]:8000"}, &c, log); err != nil {
+		t.Fatalf("discovery.allow_link_local: %v", err)
+	}
+}

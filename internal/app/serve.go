@@ -263,7 +263,7 @@ func (s *serving) startHub() error {
 		s.edsSrv = eds.New(eds.Config{Cluster: s.edsCfg.Cluster}, eds.Deps{Logger: s.log, OnChange: func() { s.hub.Refresh() }})
 		s.reg.MustRegister(edsCollector{s.edsSrv})
 	}
-	hubDeps := discovery.HubDeps{Engine: s.parts.engine, Logger: s.log}
+	hubDeps := discovery.HubDeps{Engine: s.parts.engine, Logger: s.log, AllowLinkLocal: allowLinkLocal(s.o, &s.cfg)}
 	if s.edsSrv != nil {
 		hubDeps.Gate = s.edsSrv
 	}

@@ -91,6 +91,9 @@ type ServeOptions struct {
 	// SyncAllowAnonymous lets --sync-nats connect without credentials
 	// (config sync.allow_anonymous).
 	SyncAllowAnonymous bool
+	// DiscoveryAllowLinkLocal lets endpoints at link-local addresses
+	// through (config discovery.allow_link_local).
+	DiscoveryAllowLinkLocal bool
 	// SyncWarmStart, true by default: a starting replica takes a peer's
 	// state (sync.warm_start; false sets sync.warm_start.disabled).
 	SyncWarmStart bool
@@ -154,6 +157,7 @@ func (o *ServeOptions) AddFlags(fs *flag.FlagSet) {
 	o.LeaderElect.AddFlags(fs)
 	fs.StringVar(&o.SyncNATS, "sync-nats", "", "active-active replicas: NATS URL[,URL...] shared by the replicas of the pool (in-flight decisions, outcomes); auth, TLS and intervals in the config's sync section; off when empty")
 	fs.BoolVar(&o.SyncAllowAnonymous, "sync-allow-anonymous", false, "let --sync-nats connect without credentials (warned at start-up): any client the NATS server lets in can then act as a peer replica (as sync.allow_anonymous)")
+	fs.BoolVar(&o.DiscoveryAllowLinkLocal, "discovery-allow-link-local", false, "accept endpoints at link-local addresses (169.254.0.0/16, fe80::/10, where clouds serve instance metadata); without it they are refused in a static list and dropped from discovered sets (as discovery.allow_link_local)")
 	fs.BoolVar(&o.DryRun, "dry-run", false, "load and validate the config and flags, resolve tokenizers and discovery settings (nothing contacted), print the effective config, and exit (as kvbandit config check does)")
 	fs.StringVar(&o.ReplicaID, "replica-id", "", "this replica's id among the --sync-nats peers, unique in the pool (default: hostname-<6 random hex>)")
 	fs.BoolVar(&o.SyncWarmStart, "sync-warm-start", true, "with --sync-nats: at start, take a live peer's state (KV index with its trust and sequence, latency model, posteriors, sessions) and answer peers that start; false: neither (config sync.warm_start)")

@@ -247,10 +247,21 @@ func (s *serving) becomeReady() {
 		maddr = s.ml.Addr().String()
 	}
 	b, gaddr, haddr := s.build, s.gl.Addr().String(), s.hl.Addr().String()
-	s.log.Info("kvbandit serving", "version", b.Version, "commit", b.Commit, "built", b.Date, "grpc", gaddr, "health", haddr, "metrics", maddr, "http", paddr, "policy", s.parts.policy.Name(), "endpoints", len(s.parts.engine.Endpoints()))
+	s.log.Info("kvbandit serving", "version", b.Version, "commit", b.Commit, "built", b.Date, "grpc", gaddr, "health", haddr, "metrics", maddr, "http", paddr, "policy", s.parts.policy.Name(), s.endpointsAttr())
 	if s.ls.Ready != nil {
 		s.ls.Ready(gaddr, haddr, maddr)
 	}
+}
+
+// endpointsAttr is the start-up line's endpoint count, or, while dynamic
+// sources (or host names) have not published a set yet, that they are
+// being discovered: the hub logs "first endpoint set" when one comes.
+func (s *serving) endpointsAttr() slog.Attr {
+	n := len(s.parts.engine.Endpoints())
+	if n == 0 && len(s.sources) > 0 && s.hub.Stats().Source == "" {
+		return slog.String("endpoints", "being discovered (logged as \"first endpoint set\")")
+	}
+	return slog.Int("endpoints", n)
 }
 
 func serveGRPC(s *grpc.Server, l net.Listener, name string) error {

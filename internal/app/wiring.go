@@ -5,7 +5,6 @@ import (
 	"context"
 	crand "crypto/rand"
 	"fmt"
-	"github.com/kvbandit/kvbandit/internal/buildinfo"
 	"log/slog"
 	"os"
 	"strconv"
@@ -13,9 +12,12 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel"
 
 	"github.com/kvbandit/kvbandit/extproc/tracing"
+	"github.com/kvbandit/kvbandit/internal/buildinfo"
 	"github.com/kvbandit/kvbandit/routing"
 	"github.com/kvbandit/kvbandit/routing/burst"
 	"github.com/kvbandit/kvbandit/routing/clock"
@@ -421,9 +423,20 @@ func newTracer(ctx context.Context, log *slog.Logger) (*tracing.Tracer, error) {
 		return nil, fmt.Errorf("%w: %w", ErrUsage, err)
 	}
 	if t != nil {
+		otelLogsTo(log)
 		log.Info("tracing on", "protocol", c.Protocol, "endpoint", c.Endpoint, "sampler", c.Sampler, "ratio", c.Ratio, "service", c.ServiceName)
 	}
 	return t, nil
+}
+
+// otelLogsTo sends OpenTelemetry's own errors (failed exports, dropped
+// spans) and its internal log to log, so that they follow --log-format
+// instead of going to Go's plain log package. OpenTelemetry reports them
+// only through its process-wide handler and logger: this is the one place
+// kvbandit sets OpenTelemetry globals, and only with tracing on.
+func otelLogsTo(log *slog.Logger) {
+	otel.SetErrorHandler(otel.ErrorHandlerFunc(func(err error) { log.Warn("tracing: OpenTelemetry error", "err", err) }))
+	otel.SetLogger(logr.FromSlogHandler(log.With("component", "opentelemetry").Handler()))
 }
 
 // shutdownTracer flushes the spans not yet exported, within

@@ -3,7 +3,8 @@
 // extproc and tokenizer import nothing under internal/ (which sits above
 // them), the routing vocabulary imports no other routing package but
 // routing/slots, the engine imports none of the packages that sit above it,
-// and no package named util, common or helpers exists.
+// and no package named util, common or helpers exists; and that `make help`
+// lists every documented Makefile target.
 package archtest
 
 import (

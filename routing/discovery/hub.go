@@ -60,6 +60,12 @@ type HubDeps struct {
 	Clock  clock.Clock
 	// Gate, when set, filters what the engine may pick (EDS).
 	Gate Gate
+	// AllowLinkLocal lets endpoints at link-local addresses (169.254.0.0/16,
+	// fe80::/10: where clouds serve instance metadata and credentials)
+	// through (--discovery-allow-link-local, config
+	// discovery.allow_link_local). Without it the hub drops them from every
+	// set, counting each as skipped with reason [ReasonLinkLocal].
+	AllowLinkLocal bool
 	// OnPublish, when set, is called after every set the engine took, with
 	// the set and the time the source offered it (discovery latency).
 	OnPublish func(set routing.EndpointSet, offered time.Time)
@@ -131,6 +137,9 @@ func (h *Hub) Follow(f func(routing.EndpointSet)) {
 func (h *Hub) Publish(set routing.EndpointSet) error {
 	offered := h.clk.Now()
 	set.Endpoints = slices.Clone(set.Endpoints)
+	if !h.deps.AllowLinkLocal {
+		set.Endpoints = h.dropLinkLocal(set)
+	}
 	if err := set.Validate(); err != nil {
 		h.mu.Lock()
 		h.stats.Rejected++
@@ -140,6 +149,9 @@ func (h *Hub) Publish(set routing.EndpointSet) error {
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if !h.has {
+		h.log.Info("first endpoint set", "source", set.Source, "endpoints", len(set.Endpoints))
+	}
 	h.desired, h.has = set, true
 	if err := h.applyLocked(); err != nil {
 		return err
@@ -148,6 +160,26 @@ func (h *Hub) Publish(set routing.EndpointSet) error {
 		h.deps.OnPublish(set, offered)
 	}
 	return nil
+}
+
+// dropLinkLocal returns set's endpoints without those at a link-local
+// address, counting and logging each one dropped.
+func (h *Hub) dropLinkLocal(set routing.EndpointSet) []routing.Endpoint {
+	return slices.DeleteFunc(set.Endpoints, func(ep routing.Endpoint) bool {
+		if !IsLinkLocal(ep.Key) {
+			return false
+		}
+		h.Skipped(set.Source, ReasonLinkLocal)
+		h.log.Warn("link-local endpoint dropped (allow it with --discovery-allow-link-local)", "source", set.Source, "address", ep.Key)
+		return true
+	})
+}
+
+// IsLinkLocal reports whether key is an "ip:port" whose IP is link-local
+// unicast (169.254.0.0/16, fe80::/10).
+func IsLinkLocal(key routing.EndpointKey) bool {
+	ap, err := routing.ParseAddrPort(string(key))
+	return err == nil && ap.Addr().IsLinkLocalUnicast()
 }
 
 // Refresh re-evaluates the gate (the EDS server calls it when a data plane
@@ -234,8 +266,12 @@ func (h *Hub) SetDegraded(source string, err error) {
 	switch {
 	case err != nil:
 		h.degraded[source] = err.Error()
-		if !was {
+		switch {
+		case was:
+		case h.has:
 			h.log.Warn("discovery degraded: serving the last known endpoint set", "source", source, "err", err)
+		default:
+			h.log.Warn("discovery degraded: no endpoint set known yet, nothing to serve", "source", source, "err", err)
 		}
 	case was:
 		delete(h.degraded, source)

@@ -1,14 +1,17 @@
 package discovery_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -386,4 +389,47 @@ func FuzzParseEndpointsFile(f *testing.F) {
 			t.Fatalf("parsed set fails validation: %v", err)
 		}
 	})
+}
+
+func TestHubDropsLinkLocalUnlessAllowed(t *testing.T) {
+	e := newEngine(t)
+	h := discovery.NewHub(discovery.HubDeps{Engine: e})
+	if err := h.Publish(set("dns", "10.0.0.1:8000", "169.254.169.254:80", "[fe80::1]:8000")); err != nil {
+		t.Fatal(err)
+	}
+	if got := keys(e); !slices.Equal(got, []string{"10.0.0.1:8000"}) {
+		t.Fatalf("engine = %v, want the link-local endpoints dropped", got)
+	}
+	if n := h.Stats().Skipped[[2]string{"dns", discovery.ReasonLinkLocal}]; n != 2 {
+		t.Fatalf("skipped link_local = %d, want 2", n)
+	}
+	e2 := newEngine(t)
+	h2 := discovery.NewHub(discovery.HubDeps{Engine: e2, AllowLinkLocal: true})
+	if err := h2.Publish(set("dns", "10.0.0.1:8000", "169.254.169.254:80")); err != nil {
+		t.Fatal(err)
+	}
+	if got := keys(e2); len(got) != 2 {
+		t.Fatalf("allowed: engine = %v", got)
+	}
+}
+
+func TestHubLogsSayWhetherASetIsKnown(t *testing.T) {
+	var buf bytes.Buffer
+	h := discovery.NewHub(discovery.HubDeps{Engine: newEngine(t), Logger: slog.New(slog.NewTextHandler(&buf, nil))})
+	h.SetDegraded("etcd", errors.New("down"))
+	if s := buf.String(); !strings.Contains(s, "no endpoint set known yet") || strings.Contains(s, "serving the last known endpoint set") {
+		t.Fatalf("degraded before any set: %s", s)
+	}
+	h.SetDegraded("etcd", nil)
+	if err := h.Publish(set("etcd", "10.0.0.1:8000")); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(buf.String(), `msg="first endpoint set" source=etcd endpoints=1`) {
+		t.Fatalf("first set not logged: %s", buf.String())
+	}
+	buf.Reset()
+	h.SetDegraded("etcd", errors.New("down"))
+	if !strings.Contains(buf.String(), "serving the last known endpoint set") {
+		t.Fatalf("degraded with a set: %s", buf.String())
+	}
 }

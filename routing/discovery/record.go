@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -20,6 +21,7 @@ const (
 	ReasonUnknownRole   = "unknown_role"   // role other than prefill, decode, both, prefill-decode
 	ReasonInvalid       = "invalid"        // address or numbers out of range
 	ReasonDuplicate     = "duplicate"      // a second record for the same address
+	ReasonLinkLocal     = "link_local"     // a link-local address the operator has not allowed
 )
 
 // MaxRecordBytes bounds one encoded record (an etcd value, a file entry):
@@ -57,7 +59,9 @@ func DecodeRecord(data []byte) (routing.Endpoint, error) {
 
 // CheckRecord validates one endpoint on its own and canonicalises its
 // address. The address is a literal "ip:port" (IPv6 in brackets) or
-// "name:port" with a DNS host name (see [ParseName]); a name is
+// "name:port" with a DNS host name (see [ParseName]), either of them
+// optionally written as a worker URL "http://host:port" ([TrimWorkerURL]
+// keeps host:port); a name is
 // lower-cased, and it never reaches the routing engine: the dns package
 // (routing/discovery/dns) replaces such a record by one endpoint per
 // address the name resolves to. Errors are *RecordError.
@@ -68,6 +72,11 @@ func CheckRecord(ep *routing.Endpoint) error {
 	if !slices.Contains(routing.Engines, ep.Engine) {
 		return &RecordError{ReasonUnknownEngine, fmt.Errorf("engine %q (want vllm or sglang)", ep.Engine)}
 	}
+	addr, err := TrimWorkerURL(string(ep.Key))
+	if err != nil {
+		return &RecordError{ReasonInvalid, err}
+	}
+	ep.Key = routing.EndpointKey(addr)
 	if ap, err := routing.ParseAddrPort(string(ep.Key)); err == nil {
 		ep.Key = routing.EndpointKey(ap.String())
 	}
@@ -107,6 +116,53 @@ func CheckSet(eps []routing.Endpoint) error {
 		seen[eps[i].Key] = true
 	}
 	return nil
+}
+
+// TrimWorkerURL turns a worker URL, as SGLang's router and vLLM's
+// production-stack take them ("http://10.0.0.1:8000", "http://vllm-0:8000/"),
+// into the "host:port" kvbandit routes to; an address without "://" is
+// returned unchanged. The scheme must be http (kvbandit's proxy, metrics
+// scrapes and health checks talk plain HTTP to workers; TLS to them is the
+// data plane's cluster transport socket), the port defaults to 80, and a
+// path other than "/", a query, a fragment or user information is an error
+// naming the fix: kvbandit adds the API paths itself.
+func TrimWorkerURL(addr string) (string, error) {
+	if !strings.Contains(addr, "://") {
+		return addr, nil
+	}
+	if len(addr) > routing.MaxURLBytes {
+		return "", fmt.Errorf("worker URL of %d bytes (at most %d)", len(addr), routing.MaxURLBytes)
+	}
+	u, err := url.Parse(addr)
+	if err != nil {
+		return "", fmt.Errorf("worker URL %q: %w", addr, err)
+	}
+	fix := "write host:port or http://host:port"
+	switch strings.ToLower(u.Scheme) {
+	case "http":
+	case "https":
+		return "", fmt.Errorf("worker URL %q: https is not supported: kvbandit talks plain HTTP to workers (put TLS in the data plane's cluster transport_socket); %s", addr, fix)
+	default:
+		return "", fmt.Errorf("worker URL %q: scheme %q is not supported; %s", addr, u.Scheme, fix)
+	}
+	switch {
+	case u.Path != "" && u.Path != "/":
+		return "", fmt.Errorf("worker URL %q: path %q is not supported (kvbandit adds /v1/... itself); %s", addr, u.Path, fix)
+	case u.RawQuery != "" || u.ForceQuery || u.Fragment != "":
+		return "", fmt.Errorf("worker URL %q: a query or fragment is not supported; %s", addr, fix)
+	case u.User != nil:
+		return "", fmt.Errorf("worker URL %q: user information is not supported; %s", addr, fix)
+	case u.Hostname() == "":
+		return "", fmt.Errorf("worker URL %q: no host; %s", addr, fix)
+	}
+	port := u.Port()
+	if port == "" {
+		if strings.HasSuffix(u.Host, ":") {
+			return "", fmt.Errorf("worker URL %q: empty port; %s", addr, fix)
+		}
+		port = "80"
+	}
+	return net.JoinHostPort(u.Hostname(), port), nil
 }
 
 // HasNames reports whether any endpoint's address is a host name.

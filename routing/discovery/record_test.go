@@ -117,3 +117,65 @@ func TestRecordRole(t *testing.T) {
 		t.Errorf("unknown role: reason %q, err %v", discovery.SkipReason(err), err)
 	}
 }
+
+func TestWorkerURLs(t *testing.T) {
+	for _, c := range []struct{ in, want, bad string }{
+		{in: "http://127.0.0.1:8000", want: "127.0.0.1:8000"},
+		{in: "HTTP://127.0.0.1:8000/", want: "127.0.0.1:8000"},
+		{in: "http://[fd00::1]:8000", want: "[fd00::1]:8000"},
+		{in: "http://vllm-0.workers:8000/", want: "vllm-0.workers:8000"},
+		{in: "http://10.0.0.1", want: "10.0.0.1:80"},
+		{in: "10.0.0.1:8000", want: "10.0.0.1:8000"},
+		{in: "https://10.0.0.1:8443", bad: "https is not supported"},
+		{in: "grpc://10.0.0.1:8000", bad: `scheme "grpc"`},
+		{in: "http://10.0.0.1:8000/v1", bad: `path "/v1"`},
+		{in: "http://10.0.0.1:8000/?a=b", bad: "query"},
+		{in: "http://u:p@10.0.0.1:8000", bad: "user information"},
+		{in: "http://:8000", bad: "no host"},
+		{in: "http://10.0.0.1:", bad: "empty port"},
+		{in: "http://" + strings.Repeat("a", routing.MaxURLBytes), bad: "bytes"},
+	} {
+		got, err := discovery.TrimWorkerURL(c.in)
+		if c.bad != "" {
+			if err == nil || !strings.Contains(err.Error(), c.bad) || !strings.Contains(err.Error(), "host:port") && !strings.Contains(err.Error(), "bytes") {
+				t.Errorf("%q: got %q, %v; want an error about %q naming the fix", c.in, got, err, c.bad)
+			}
+			continue
+		}
+		if err != nil || got != c.want {
+			t.Errorf("%q: got %q, %v; want %q", c.in, got, err, c.want)
+		}
+	}
+	// The same parser serves --endpoints, the config file's endpoints and
+	// every record (file, etcd, kube, register).
+	s, err := discovery.ParseEndpointList("http://127.0.0.1:8000, http://[::1]:8001/")
+	if err != nil || len(s.Endpoints) != 2 || s.Endpoints[0].Key != "127.0.0.1:8000" || s.Endpoints[1].Key != "[::1]:8001" {
+		t.Fatalf("ParseEndpointList(URLs) = %+v, %v", s, err)
+	}
+	if _, err := discovery.ParseEndpointList("http://127.0.0.1:8000,127.0.0.1:8000"); err == nil {
+		t.Error("a URL and its host:port: no duplicate error")
+	}
+	ep, err := discovery.DecodeRecord([]byte(`{"address":"http://10.0.0.7:8000/"}`))
+	if err != nil || ep.Key != "10.0.0.7:8000" {
+		t.Errorf("record with a URL: %q, %v", ep.Key, err)
+	}
+	if _, err := discovery.DecodeRecord([]byte(`{"address":"https://10.0.0.7:8000"}`)); err == nil {
+		t.Error("record with an https URL: accepted")
+	}
+}
+
+func TestUnspecifiedAddressesAreNotEndpoints(t *testing.T) {
+	for _, a := range []string{"0.0.0.0:8000", "[::]:8000", "[::ffff:0.0.0.0]:8000", "http://0.0.0.0:8000", "224.0.0.1:8000"} {
+		if _, err := discovery.ParseEndpointList(a); !errors.Is(err, routing.ErrInvalidEndpointSet) {
+			t.Errorf("--endpoints %s: err = %v", a, err)
+		}
+		if _, err := discovery.DecodeRecord([]byte(`{"address":"` + a + `"}`)); err == nil {
+			t.Errorf("record %s: accepted", a)
+		}
+	}
+	// The engine's own check (every source's sets, and EDS's) refuses them too.
+	set := routing.EndpointSet{Endpoints: []routing.Endpoint{{Key: "0.0.0.0:8000"}}}
+	if err := set.Validate(); !errors.Is(err, routing.ErrInvalidEndpointSet) {
+		t.Errorf("Validate(0.0.0.0:8000) = %v", err)
+	}
+}

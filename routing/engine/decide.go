@@ -265,7 +265,7 @@ func (e *Engine) newDecision(p *pass, ch *routing.Choice) *commitment {
 		d.Predicted = ch.Predicted[ch.Index]
 	}
 	if ch.Scores != nil {
-		d.Scores = scores(sc, ch)
+		d.Scores, d.ScoresHigherIsBetter = scores(sc, ch), ch.HigherIsBetter
 	}
 	if e.opts.Fallbacks > 0 {
 		d.Fallbacks = e.fallbacks(sc, ch.Ranked, c.State.Key)

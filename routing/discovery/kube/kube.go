@@ -446,7 +446,11 @@ func (r *runner) loop(ctx context.Context) error {
 func (r *runner) degrade(err error) {
 	r.degraded = true
 	r.sink.SetDegraded(SourceName, err)
-	r.log.Warn("kube discovery degraded: serving the last known endpoint set", "err", err)
+	if r.published {
+		r.log.Warn("kube discovery degraded: serving the last known endpoint set", "err", err)
+	} else {
+		r.log.Warn("kube discovery degraded: no endpoint set known yet, nothing to serve", "err", err)
+	}
 }
 
 func (r *runner) scheduleProbe() {

@@ -66,7 +66,7 @@ func (p *Policy) Choose(s *routing.Scoring, _ bool) (routing.Choice, error) {
 		}
 		return 0
 	})
-	return routing.Choice{Index: choice, Ranked: ranked, Scores: scores}, nil
+	return routing.Choice{Index: choice, Ranked: ranked, Scores: scores, HigherIsBetter: true}, nil
 }
 
 // Done implements [routing.Policy]; the engine already released the

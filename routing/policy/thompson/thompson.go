@@ -283,7 +283,7 @@ func (p *Policy) Choose(s *routing.Scoring, commit bool) (routing.Choice, error)
 		}
 		return a - b // stable: equal scores keep candidate order
 	})
-	ch := routing.Choice{Index: chosen, Ranked: ranked, Scores: scores}
+	ch := routing.Choice{Index: chosen, Ranked: ranked, Scores: scores, HigherIsBetter: true}
 	if rq.key.PrefixID != "" {
 		ch.Sticky = terms[chosen].isLast
 		ch.Session = routing.SessionTurnOf(rq.hasLast, ch.Sticky)

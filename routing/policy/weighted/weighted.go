@@ -206,7 +206,7 @@ func (p *Policy) Choose(s *routing.Scoring, _ bool) (routing.Choice, error) {
 			}
 		}
 	}
-	ch := routing.Choice{Index: best, Scores: scores}
+	ch := routing.Choice{Index: best, Scores: scores, HigherIsBetter: true}
 	if s.WantRanked {
 		ch.Ranked = rank(scores, best)
 	}
