@@ -200,7 +200,10 @@ func TestFetchStateFallsBack(t *testing.T) {
 	const prefix = "kvbandit.p"
 	src := &fixedSource{snap: bigState([]string{"10.0.0.1:8000"}, 10)}
 	real := warmNode(t, srv, "real", src, WarmConfig{})
-	b := warmNode(t, srv, "b", nil, WarmConfig{WindowTimeout: 300 * time.Millisecond, MaxBytes: 1 << 20, Timeout: 10 * time.Second})
+	// The window is long enough for the huge ghost to encode its 640 kB
+	// chunks under -race on a loaded machine (300 ms was not: it timed
+	// out instead of going over max_bytes); the silent ghost costs one.
+	b := warmNode(t, srv, "b", nil, WarmConfig{WindowTimeout: 2 * time.Second, MaxBytes: 1 << 20, Timeout: 20 * time.Second})
 	cases := map[string]func(q *wire.StateRequest, reply string, nc *nats.Conn){
 		"silent": func(*wire.StateRequest, string, *nats.Conn) {},
 		"absent": nil, // no state subscription: the server answers "no responders"
