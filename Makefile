@@ -66,7 +66,7 @@ run: build ## run `kvbandit serve` on loopback with two example endpoints
 # reaches it and not make: make then exits with the demo's status (0 after
 # Ctrl-C) instead of "Interrupt" or "Error 1". Elsewhere the recipe becomes
 # the demo (exec).
-demo: build ## one command, no external services: 4 simulated workers, serve + proxy, a burst of agent sessions, then serving until Ctrl-C (DEMO_FLAGS for more, e.g. --no-burst)
+demo: build ## one command, no external services: 4 simulated workers, serve + proxy, a burst of agent sessions compared with a round_robin baseline, then serving until Ctrl-C (DEMO_FLAGS for more, e.g. --no-burst)
 	@if [ -t 0 ]; then set -m; ./$(BIN) demo $(DEMO_FLAGS) & fg %1 >/dev/null; else exec ./$(BIN) demo $(DEMO_FLAGS); fi
 
 .PHONY: test

@@ -55,7 +55,7 @@ func commands() map[string]command {
 	return map[string]command{
 		"serve":        {"run the ext_proc endpoint picker", func(ctx context.Context, a []string, s stdio) error { return runServe(ctx, a, s.out, s.err) }},
 		"bench":        {"replay a trace on a simulated vLLM fleet under each policy and compare", func(ctx context.Context, a []string, s stdio) error { return runBench(ctx, a, s.out, s.err) }},
-		"demo":         {"start a simulated fleet of 4 workers and serve in front of it, send a burst of agent sessions, then keep serving", func(ctx context.Context, a []string, s stdio) error { return runDemo(ctx, a, s.out, s.err) }},
+		"demo":         {"start a simulated fleet of 4 workers and serve in front of it, send a burst of agent sessions and the same burst against a round_robin baseline, then keep serving", func(ctx context.Context, a []string, s stdio) error { return runDemo(ctx, a, s.out, s.err) }},
 		"config":       {"check a config file (and serve flags): load, validate, resolve tokenizers and discovery settings, print the effective config", func(ctx context.Context, a []string, s stdio) error { return runConfig(ctx, a, s.out, s.err) }},
 		"envoy-config": {"print a validated Envoy bootstrap for a list of workers", func(ctx context.Context, a []string, s stdio) error { return runEnvoyConfig(ctx, a, s.out, s.err) }},
 		"register":     {"keep a worker's endpoint record in etcd while it is healthy (deleted on exit)", func(ctx context.Context, a []string, s stdio) error { return runRegister(ctx, a, s.out, s.err) }},

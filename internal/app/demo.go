@@ -38,6 +38,7 @@ type DemoOptions struct {
 	SpeedUp        float64
 	Sessions       int
 	Turns          int
+	Baseline       string
 	NoBurst        bool
 	ExitAfterBurst bool
 	Seed           int64
@@ -54,6 +55,7 @@ func (o *DemoOptions) AddFlags(fs *flag.FlagSet) {
 	fs.Float64Var(&o.SpeedUp, "speed-up", 10, "run the simulated workers this many times faster than the model's real time")
 	fs.IntVar(&o.Sessions, "sessions", 8, "agent sessions in the burst")
 	fs.IntVar(&o.Turns, "turns", 4, "requests per session (each resends the growing history)")
+	fs.StringVar(&o.Baseline, "baseline", "round_robin", "after the burst, run it again with this policy on a fresh fleet and print both side by side ("+demoNoBaseline+" to skip)")
 	fs.BoolVar(&o.NoBurst, "no-burst", false, "skip the burst of agent sessions; just serve")
 	fs.BoolVar(&o.ExitAfterBurst, "exit-after-burst", false, "exit after the burst's summary instead of serving until Ctrl-C (tests, CI)")
 	fs.Int64Var(&o.Seed, "seed", 1, "random seed of the routing policy (0 = random)")
@@ -80,6 +82,9 @@ func (o *DemoOptions) Validate() error {
 	}
 	if !slices.Contains(policy.Builtin().Names(), o.Policy) {
 		errs = append(errs, fmt.Errorf("--policy %q: want one of %s", o.Policy, strings.Join(policy.Builtin().Names(), ", ")))
+	}
+	if o.Baseline != demoNoBaseline && !slices.Contains(policy.Builtin().Names(), o.Baseline) {
+		errs = append(errs, fmt.Errorf("--baseline %q: want %s or one of %s", o.Baseline, demoNoBaseline, strings.Join(policy.Builtin().Names(), ", ")))
 	}
 	if _, err := parseLevel(o.LogLevel); err != nil {
 		errs = append(errs, err)
@@ -118,8 +123,10 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error
 }
 
 // Demo starts a simulated fleet and serve in front of it, sends a burst of
-// agent sessions through the standalone proxy, prints a summary and keeps
-// serving until ctx ends (or returns after the burst with ExitAfterBurst).
+// agent sessions through the standalone proxy, prints a summary, runs the
+// same burst against the baseline policy on a fresh fleet and prints both
+// side by side, and keeps serving until ctx ends (or returns after the
+// burst with ExitAfterBurst).
 func Demo(ctx context.Context, o DemoOptions, stdout, stderr io.Writer) error {
 	log := newLogger(stderr, o.LogLevel, "text")
 	workers, err := startDemoFleet(ctx, o.SpeedUp, log)
@@ -152,8 +159,19 @@ func Demo(ctx context.Context, o DemoOptions, stdout, stderr io.Writer) error {
 	}
 	d.printFleet(stdout, o, workers)
 	if !o.NoBurst {
-		if end, err := d.burst(ctx, stdout, o, workers); end {
+		res, end, err := d.burst(ctx, stdout, o, workers)
+		if end {
 			return err
+		}
+		if err := runDemoBaseline(ctx, stdout, o, dir, log, res); err != nil {
+			if ctx.Err() != nil {
+				return d.stop()
+			}
+			fmt.Fprintf(stdout, "\nbaseline: %v\n", err)
+			if o.ExitAfterBurst {
+				d.stop()
+				return err
+			}
 		}
 	}
 	if o.ExitAfterBurst {
@@ -290,31 +308,50 @@ func (d *demoServe) printFleet(w io.Writer, o DemoOptions, workers []*simworker.
 }
 
 // burst sends the agent sessions through the proxy and prints their
-// summary. It reports whether the demo ends here (ctx ended, or every
-// request failed), serve then being stopped, and with what error.
-func (d *demoServe) burst(ctx context.Context, w io.Writer, o DemoOptions, workers []*simworker.Server) (bool, error) {
-	// Give the KV event subscribers and the first scrape a moment, so
-	// the burst starts on an exact, event-fed index.
-	select {
-	case <-time.After(300 * time.Millisecond):
-	case <-ctx.Done():
-		return true, d.stop()
-	}
+// summary; it returns the requests' results. It reports whether the demo
+// ends here (ctx ended, or every request failed), serve then being
+// stopped, and with what error.
+func (d *demoServe) burst(ctx context.Context, w io.Writer, o DemoOptions, workers []*simworker.Server) ([]turnResult, bool, error) {
 	fmt.Fprintf(w, "\nSending %d agent sessions x %d turns through the proxy (each turn resends the growing history, with x-prefix-id / x-prefix-total-requests)...\n", o.Sessions, o.Turns)
-	res := runBurst(d.ctx, d.proxyURL, o.Sessions, o.Turns)
-	if ctx.Err() != nil {
-		return true, d.stop()
+	res, err := d.sendBurst(ctx, o)
+	if err != nil {
+		return nil, true, d.stop()
 	}
 	names := make(map[string]string, len(workers))
 	for i, wk := range workers {
 		names[wk.Addr()] = fmt.Sprintf("worker-%d", i+1)
 	}
 	printSummary(w, res, workers, names, o.SpeedUp)
-	if !slices.ContainsFunc(res, func(r turnResult) bool { return r.err == nil }) {
+	if err := allFailed(res); err != nil {
 		d.stop()
-		return true, fmt.Errorf("demo: every request of the burst failed: %w", res[0].err)
+		return nil, true, fmt.Errorf("demo: %w", err)
 	}
-	return false, nil
+	return res, false, nil
+}
+
+// sendBurst runs the agent sessions through serve's proxy and returns
+// their results, or ctx's error when it ended first.
+func (d *demoServe) sendBurst(ctx context.Context, o DemoOptions) ([]turnResult, error) {
+	// Give the KV event subscribers and the first scrape a moment, so
+	// the burst starts on an exact, event-fed index.
+	select {
+	case <-time.After(300 * time.Millisecond):
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	res := runBurst(d.ctx, d.proxyURL, o.Sessions, o.Turns)
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	return res, nil
+}
+
+// allFailed returns an error when no request of the burst succeeded.
+func allFailed(res []turnResult) error {
+	if slices.ContainsFunc(res, func(r turnResult) bool { return r.err == nil }) {
+		return nil
+	}
+	return fmt.Errorf("every request of the burst failed: %w", res[0].err)
 }
 
 // demoSystemPrompt is shared by every session, like an agent's tool
@@ -475,15 +512,79 @@ func percentile(ds []time.Duration, p float64) time.Duration {
 	return s[min(max(i, 0), len(s)-1)]
 }
 
+// burstStats are the figures of one burst that the summary and the
+// side-by-side comparison print.
+type burstStats struct {
+	requests, failed, prompt, cached int
+	ttftP50, ttftP90                 time.Duration
+	// stuck requests went to their session's most used worker, of
+	// sessionRequests; whole of sessions stayed on one worker.
+	stuck, sessionRequests, whole, sessions int
+}
+
+func statsOf(res []turnResult) burstStats {
+	var st burstStats
+	var ttfts []time.Duration
+	perSession := map[int]map[string]int{}
+	for _, r := range res {
+		if r.err != nil {
+			st.failed++
+			continue
+		}
+		st.requests++
+		st.prompt += r.prompt
+		st.cached += r.cached
+		ttfts = append(ttfts, r.ttft)
+		if perSession[r.session] == nil {
+			perSession[r.session] = map[string]int{}
+		}
+		perSession[r.session][r.endpoint]++
+	}
+	st.ttftP50, st.ttftP90 = percentile(ttfts, 0.5), percentile(ttfts, 0.9)
+	for _, eps := range perSession {
+		n, top := 0, 0
+		for _, c := range eps {
+			n += c
+			top = max(top, c)
+		}
+		st.stuck += top
+		st.sessionRequests += n
+		if len(eps) == 1 {
+			st.whole++
+		}
+	}
+	st.sessions = len(perSession)
+	return st
+}
+
+// hitRate is the share of prompt tokens served from a prefix cache, "-"
+// without prompt tokens.
+func hitRate(cached, prompt int) string {
+	if prompt == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.1f%%", 100*float64(cached)/float64(prompt))
+}
+
+// stickiness is the share of a session's requests served by its most used
+// worker, over all sessions; "-" without requests.
+func (st burstStats) stickiness() string {
+	if st.sessionRequests == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.1f%%", 100*float64(st.stuck)/float64(st.sessionRequests))
+}
+
+// modelTime turns a wall-clock duration at speedUp into the model's time.
+func modelTime(d time.Duration, speedUp float64) time.Duration {
+	return time.Duration(float64(d) * speedUp).Round(time.Millisecond)
+}
+
 func printSummary(w io.Writer, res []turnResult, workers []*simworker.Server, names map[string]string, speedUp float64) {
 	type agg struct{ requests, prompt, cached int }
 	per := map[string]*agg{}
-	var ttfts []time.Duration
-	var prompt, cached, failed int
-	sessions := map[int]map[string]int{}
 	for _, r := range res {
 		if r.err != nil {
-			failed++
 			continue
 		}
 		a := per[r.endpoint]
@@ -494,55 +595,27 @@ func printSummary(w io.Writer, res []turnResult, workers []*simworker.Server, na
 		a.requests++
 		a.prompt += r.prompt
 		a.cached += r.cached
-		prompt += r.prompt
-		cached += r.cached
-		ttfts = append(ttfts, r.ttft)
-		if sessions[r.session] == nil {
-			sessions[r.session] = map[string]int{}
-		}
-		sessions[r.session][r.endpoint]++
 	}
-	rate := func(c, p int) string {
-		if p == 0 {
-			return "-"
-		}
-		return fmt.Sprintf("%.1f%%", 100*float64(c)/float64(p))
-	}
+	st := statsOf(res)
 	fmt.Fprintf(w, "\n%-10s %-21s %5s %9s %13s %13s %9s\n", "worker", "address", "speed", "requests", "prompt tok", "cached tok", "hit rate")
 	for i, wk := range workers {
 		a := per[wk.Addr()]
 		if a == nil {
 			a = &agg{}
 		}
-		fmt.Fprintf(w, "%-10s %-21s %5.1f %9d %13d %13d %9s\n", names[wk.Addr()], wk.Addr(), demoSpeeds[i], a.requests, a.prompt, a.cached, rate(a.cached, a.prompt))
+		fmt.Fprintf(w, "%-10s %-21s %5.1f %9d %13d %13d %9s\n", names[wk.Addr()], wk.Addr(), demoSpeeds[i], a.requests, a.prompt, a.cached, hitRate(a.cached, a.prompt))
 	}
-	fmt.Fprintf(w, "%-10s %-21s %5s %9d %13d %13d %9s\n", "total", "", "", len(res)-failed, prompt, cached, rate(cached, prompt))
-	if failed > 0 {
-		fmt.Fprintf(w, "failed requests: %d\n", failed)
+	fmt.Fprintf(w, "%-10s %-21s %5s %9d %13d %13d %9s\n", "total", "", "", st.requests, st.prompt, st.cached, hitRate(st.cached, st.prompt))
+	if st.failed > 0 {
+		fmt.Fprintf(w, "failed requests: %d\n", st.failed)
 	}
-	fmt.Fprintf(w, "\nKV hit rate: %s of prompt tokens were served from a worker's prefix cache (usage.prompt_tokens_details.cached_tokens / prompt_tokens)\n", rate(cached, prompt))
-	p50, p90 := percentile(ttfts, 0.5), percentile(ttfts, 0.9)
+	fmt.Fprintf(w, "\nKV hit rate: %s of prompt tokens were served from a worker's prefix cache (usage.prompt_tokens_details.cached_tokens / prompt_tokens)\n", hitRate(st.cached, st.prompt))
 	fmt.Fprintf(w, "TTFT: p50 %v, p90 %v wall clock (model time at %gx: p50 %v, p90 %v)\n",
-		p50.Round(100*time.Microsecond), p90.Round(100*time.Microsecond), speedUp,
-		time.Duration(float64(p50)*speedUp).Round(time.Millisecond), time.Duration(float64(p90)*speedUp).Round(time.Millisecond))
-	// Stickiness: the share of a session's requests served by its most
-	// used worker, over all sessions.
-	stuck, total, whole := 0, 0, 0
-	for _, eps := range sessions {
-		n, top := 0, 0
-		for _, c := range eps {
-			n += c
-			top = max(top, c)
-		}
-		stuck += top
-		total += n
-		if len(eps) == 1 {
-			whole++
-		}
-	}
-	if total > 0 {
-		fmt.Fprintf(w, "Session stickiness: %.1f%% of requests went to their session's main worker; %d of %d sessions stayed on one worker\n",
-			100*float64(stuck)/float64(total), whole, len(sessions))
+		st.ttftP50.Round(100*time.Microsecond), st.ttftP90.Round(100*time.Microsecond), speedUp,
+		modelTime(st.ttftP50, speedUp), modelTime(st.ttftP90, speedUp))
+	if st.sessionRequests > 0 {
+		fmt.Fprintf(w, "Session stickiness: %s of requests went to their session's main worker; %d of %d sessions stayed on one worker\n",
+			st.stickiness(), st.whole, st.sessions)
 	}
 }
 
