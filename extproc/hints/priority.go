@@ -101,7 +101,8 @@ const (
 //   - ignore: the client's priority and latency sensitivity are dropped;
 //     the objective's priority applies when there is one.
 //
-// objective is one of the Objective* results, client one of the Client*.
+// An invalid pol.Mode (Validate rejects it) counts as cap. objective is one
+// of the Objective* results, client one of the Client*.
 // The objective's priority is clamped to ±[MaxPriority], as a hinted one.
 func ResolvePriority(g Getter, p Priorities, pol PriorityPolicy, h *routing.Hints) (objective, client string) {
 	mode, err := ParseClientPriority(string(pol.Mode))
