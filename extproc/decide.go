@@ -29,8 +29,12 @@ func (p *processor) decide(ctx context.Context) error {
 	if problems.Count > 0 {
 		m.hintProblems.Add(float64(problems.Count))
 	}
-	if r := hints.ApplyObjective(p.header, p.s.objectives, &req.Hints); r != hints.ObjectiveNone {
-		m.inferenceObjectives.WithLabelValues(r).Inc()
+	obj, cli := hints.ResolvePriority(p.header, p.s.objectives, p.s.cfg.ClientPriority, &req.Hints)
+	if obj != hints.ObjectiveNone {
+		m.inferenceObjectives.WithLabelValues(obj).Inc()
+	}
+	if cli != hints.ClientKept {
+		m.clientPriorities.WithLabelValues(cli).Inc()
 	}
 	t1 := p.s.clk.Now()
 	m.phaseParse.Observe(t1.Sub(t0).Seconds())

@@ -23,11 +23,13 @@ type Metrics struct {
 	tokens           *prometheus.CounterVec
 	servedMismatch   prometheus.Counter
 	hintProblems     prometheus.Counter
-	// inferenceObjectives counts requests that named an InferenceObjective
-	// and had no priority of their own, by result (found, unknown).
+	// inferenceObjectives counts requests that named an InferenceObjective,
+	// by result (found, unknown).
 	inferenceObjectives *prometheus.CounterVec
-	bufferedBytes       prometheus.GaugeFunc
-	tokenizerFallbacks  *prometheus.CounterVec
+	// clientPriorities counts client priorities capped or ignored.
+	clientPriorities   *prometheus.CounterVec
+	bufferedBytes      prometheus.GaugeFunc
+	tokenizerFallbacks *prometheus.CounterVec
 
 	// Per-phase observers, resolved once (no label lookup per request).
 	phaseParse, phaseTokenize, phasePick, phaseTotal prometheus.Observer
@@ -83,13 +85,17 @@ func NewMetrics(reg prometheus.Registerer, bufferedBytes func() float64) *Metric
 	}
 	m.inferenceObjectives = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvbandit_inference_objective_requests_total",
-		Help: "Requests that named an InferenceObjective (x-gateway-inference-objective) and gave no priority of their own, by result: found (its priority applied) or unknown (default priority, as GIE).",
+		Help: "Requests that named an InferenceObjective (x-gateway-inference-objective), by result: found (its priority applied, as the request's or, under --client-priority cap, as the ceiling of the client's) or unknown (default priority, as GIE).",
 	}, []string{"result"})
+	m.clientPriorities = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvbandit_client_priorities_total",
+		Help: "Requests whose own priority (x-request-priority, nvext.agent_hints priority or latency_sensitivity) the operator's policy changed, by action (--client-priority): capped (lowered to the objective's priority or router.client_priority_max) or ignored.",
+	}, []string{"action"})
 	m.tokenizerFallbacks = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvbandit_tokenizer_fallbacks_total",
 		Help: "Requests routed on the byte-based token estimate instead of the model's tokenizer, by reason (no_tokenizer, error, timeout).",
 	}, []string{"reason"})
-	cs := []prometheus.Collector{m.tokenizerFallbacks, m.streamErrors, m.streams, m.requestsInflight, m.withoutBody, m.phase, m.tokens, m.servedMismatch, m.hintProblems, m.inferenceObjectives}
+	cs := []prometheus.Collector{m.tokenizerFallbacks, m.streamErrors, m.streams, m.requestsInflight, m.withoutBody, m.phase, m.tokens, m.servedMismatch, m.hintProblems, m.inferenceObjectives, m.clientPriorities}
 	if bufferedBytes != nil {
 		m.bufferedBytes = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvbandit_buffered_body_bytes",

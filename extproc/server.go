@@ -90,6 +90,10 @@ type Config struct {
 	// hints.SessionHeaders. Empty means hints.DefaultSessionHeaders
 	// (x-prefix-id).
 	SessionHeaders []string
+	// ClientPriority is the operator's rule for the priority a client
+	// gives itself against its InferenceObjective's (hints.ResolvePriority;
+	// the zero value caps a client at its objective's priority).
+	ClientPriority hints.PriorityPolicy
 	// MaxSSEEvent bounds one buffered SSE event.
 	MaxSSEEvent int
 	// TokenizerTimeout bounds one request's tokenization; past it the
@@ -149,8 +153,8 @@ type Deps struct {
 	// MaxBufferedBytes.
 	Budget *Budget
 	// Objectives gives the priority of a request's InferenceObjective
-	// (x-gateway-inference-objective) when the request gave none; nil when
-	// objectives are not discovered (see hints.ApplyObjective).
+	// (x-gateway-inference-objective); nil when objectives are not
+	// discovered (see hints.ResolvePriority).
 	Objectives hints.Priorities
 	// Tracer records each stream's spans and hands the trace context to
 	// the worker (traceparent); nil: tracing off, headers untouched.

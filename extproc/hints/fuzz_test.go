@@ -4,6 +4,7 @@ import (
 	"math"
 	"strings"
 	"testing"
+	"time"
 	"unicode"
 	"unicode/utf8"
 
@@ -35,6 +36,7 @@ func FuzzHints(f *testing.F) {
 		if diff := cmp.Diff(got, again); diff != "" || problems != problems2 {
 			t.Fatalf("not deterministic:\n%s", diff)
 		}
+		checkResolve(t, got)
 		// A header that is valid on its own wins over the body.
 		for name, v := range vals {
 			if strings.TrimSpace(v) == "" {
@@ -68,6 +70,37 @@ func FuzzHints(f *testing.F) {
 			}
 		}
 	})
+}
+
+// checkResolve: whatever the client sent, the client-priority policy
+// holds: cap never exceeds the objective's priority (or the ceiling
+// without one) and keeps a lower value, ignore gives the objective's,
+// allow keeps the client's.
+func checkResolve(t *testing.T, client routing.Hints) {
+	t.Helper()
+	gold := prios{"gold": 10}
+	withObj := headers(HeaderInferenceObjective, "gold")
+	resolve := func(g Getter, pol PriorityPolicy) routing.Hints {
+		h := client
+		ResolvePriority(g, gold, pol, &h)
+		checkRanges(t, h)
+		return h
+	}
+	if h := resolve(withObj, PriorityPolicy{}); !h.HasPriority || h.Priority > 10 || (client.HasPriority && client.Priority <= 10 && h.Priority != client.Priority) {
+		t.Fatalf("cap: client %d/%v gave %d/%v", client.Priority, client.HasPriority, h.Priority, h.HasPriority)
+	}
+	if h := resolve(nil, PriorityPolicy{Max: 3, HasMax: true}); h.Priority > 3 || (!h.HasPriority && h.LatencySensitivity > 3) || h.HeadStart() > 3*time.Second {
+		t.Fatalf("cap 3: client %+v gave %+v", client, h)
+	}
+	if h := resolve(withObj, PriorityPolicy{Mode: ClientPriorityIgnore}); h.Priority != 10 || !h.HasPriority {
+		t.Fatalf("ignore: gave %d/%v", h.Priority, h.HasPriority)
+	}
+	if h := resolve(nil, PriorityPolicy{Mode: ClientPriorityIgnore}); h.HasPriority || h.HeadStart() != 0 {
+		t.Fatalf("ignore without objective: gave %+v", h)
+	}
+	if h := resolve(withObj, PriorityPolicy{Mode: ClientPriorityAllow}); client.HasPriority && h.Priority != client.Priority {
+		t.Fatalf("allow: client %d gave %d", client.Priority, h.Priority)
+	}
 }
 
 func checkRanges(t *testing.T, h routing.Hints) {

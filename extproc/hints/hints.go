@@ -31,7 +31,9 @@
 //     MEDIUM, else HIGH; IAT < 100 ms LOW, < 500 ms MEDIUM, else HIGH) and
 //     fills OSLTokens or IATMillis (truncated, clamped to 2^31-1).
 //   - priority: an integer clamped to ±[MaxPriority]; HasPriority is set
-//     only for a valid one.
+//     only for a valid one. [ResolvePriority] then settles it against the
+//     request's InferenceObjective under the operator's [PriorityPolicy]
+//     (by default a client may not raise itself above its objective).
 //   - latency sensitivity (agent_hints only): a finite number of seconds
 //     >= 0, clamped to [MaxLatencySensitivity].
 //

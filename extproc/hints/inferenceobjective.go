@@ -1,11 +1,5 @@
 package hints
 
-import (
-	"strings"
-
-	"github.com/kvbandit/kvbandit/routing"
-)
-
 // HeaderInferenceObjective names the request's InferenceObjective (the
 // Gateway API Inference Extension's header, its metadata.ObjectiveKey): the
 // value is the objective's metadata.name in the pool's namespace.
@@ -21,46 +15,19 @@ type Priorities interface {
 	Priority(name string) (priority int, ok bool)
 }
 
-// Results of [ApplyObjective].
+// Results of [ResolvePriority] for the request's InferenceObjective. A
+// request without the header, or naming an objective the pool does not
+// have, keeps no priority of the objective's: GIE v1.5.0's EPP gives such a
+// request the default priority 0, which is what kvbandit does with a
+// request without a priority (not sheddable, no queue head start beyond its
+// latency_sensitivity).
 const (
-	// ObjectiveNone: no objective header, no lookup configured, or the
-	// request already gave its own priority.
+	// ObjectiveNone: no objective header, no lookup configured, or (allow
+	// mode) the request gave its own priority, which wins.
 	ObjectiveNone = ""
-	// ObjectiveFound: the objective's priority was applied.
+	// ObjectiveFound: the objective's priority was applied, as the
+	// request's priority or (cap mode) as the ceiling of the client's.
 	ObjectiveFound = "found"
 	// ObjectiveUnknown: the header named no known objective of the pool.
 	ObjectiveUnknown = "unknown"
 )
-
-// ApplyObjective fills h.Priority from the request's InferenceObjective
-// when the request gave no priority of its own (x-request-priority or
-// nvext.agent_hints.priority win over it). The priority is clamped to
-// ±[MaxPriority], as a hinted one.
-//
-// A request without the header, or naming an objective the pool does not
-// have, keeps no priority: GIE v1.5.0's EPP gives such a request the
-// default priority 0, which is what kvbandit does with a request without a
-// priority (not sheddable, no queue head start beyond its
-// latency_sensitivity).
-func ApplyObjective(g Getter, p Priorities, h *routing.Hints) string {
-	if g == nil || p == nil || h.HasPriority {
-		return ObjectiveNone
-	}
-	name, ok := g(HeaderInferenceObjective)
-	if !ok {
-		return ObjectiveNone
-	}
-	name = strings.TrimSpace(name)
-	if name == "" {
-		return ObjectiveNone
-	}
-	if len(name) > MaxObjectiveNameLen {
-		return ObjectiveUnknown
-	}
-	prio, ok := p.Priority(name)
-	if !ok {
-		return ObjectiveUnknown
-	}
-	h.Priority, h.HasPriority = min(max(prio, -MaxPriority), MaxPriority), true
-	return ObjectiveFound
-}

@@ -11,7 +11,7 @@ type prios map[string]int
 
 func (m prios) Priority(name string) (int, bool) { p, ok := m[name]; return p, ok }
 
-func TestApplyObjective(t *testing.T) {
+func TestResolvePriorityObjective(t *testing.T) {
 	lookup := prios{"gold": 10, "batch": -5, "min": -1 << 40, strings.Repeat("a", MaxObjectiveNameLen): 7}
 	hdr := func(v string) Getter {
 		return func(name string) (string, bool) {
@@ -38,18 +38,19 @@ func TestApplyObjective(t *testing.T) {
 		{"unknown", hdr("silver"), lookup, routing.Hints{}, ObjectiveUnknown, 0, false},
 		{"blank", hdr("  "), lookup, routing.Hints{}, ObjectiveNone, 0, false},
 		{"absent", hdr("\x00"), lookup, routing.Hints{}, ObjectiveNone, 0, false},
-		{"own priority", hdr("gold"), lookup, routing.Hints{Priority: 2, HasPriority: true}, ObjectiveNone, 2, true},
+		{"own lower priority", hdr("gold"), lookup, routing.Hints{Priority: 2, HasPriority: true}, ObjectiveFound, 2, true},
+		{"own higher priority capped", hdr("gold"), lookup, routing.Hints{Priority: MaxPriority, HasPriority: true}, ObjectiveFound, 10, true},
 		{"no lookup", hdr("gold"), nil, routing.Hints{}, ObjectiveNone, 0, false},
 		{"no headers", nil, lookup, routing.Hints{}, ObjectiveNone, 0, false},
 	} {
 		h := tc.in
-		if r := ApplyObjective(tc.g, tc.p, &h); r != tc.result || h.Priority != tc.prio || h.HasPriority != tc.has {
+		if r, _ := ResolvePriority(tc.g, tc.p, PriorityPolicy{}, &h); r != tc.result || h.Priority != tc.prio || h.HasPriority != tc.has {
 			t.Errorf("%s: %q, priority %d (%v); want %q, %d (%v)", tc.name, r, h.Priority, h.HasPriority, tc.result, tc.prio, tc.has)
 		}
 	}
 	// A negative objective priority makes the request sheddable.
 	h := routing.Hints{}
-	ApplyObjective(hdr("batch"), lookup, &h)
+	ResolvePriority(hdr("batch"), lookup, PriorityPolicy{}, &h)
 	if !h.Sheddable() {
 		t.Error("a negative objective priority is not sheddable")
 	}

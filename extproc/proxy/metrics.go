@@ -13,11 +13,13 @@ type metrics struct {
 	req            *extproc.RequestMetrics
 	upstreamErrors *prometheus.CounterVec
 	hintProblems   prometheus.Counter
-	// inferenceObjectives: requests naming an InferenceObjective without
-	// a priority of their own, by result (found, unknown).
+	// inferenceObjectives: requests naming an InferenceObjective, by
+	// result (found, unknown).
 	inferenceObjectives *prometheus.CounterVec
-	tokenizerFallbacks  *prometheus.CounterVec
-	tokensRouted        prometheus.Counter
+	// clientPriorities: client priorities capped or ignored, by action.
+	clientPriorities   *prometheus.CounterVec
+	tokenizerFallbacks *prometheus.CounterVec
+	tokensRouted       prometheus.Counter
 	// pdFallbacks: direct-mode prefill stages that failed, the request
 	// then served aggregated, by reason.
 	pdFallbacks *prometheus.CounterVec
@@ -47,8 +49,12 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 		}),
 		inferenceObjectives: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbandit_proxy_inference_objective_requests_total",
-			Help: "Proxied requests that named an InferenceObjective (x-gateway-inference-objective) and gave no priority of their own, by result: found (its priority applied) or unknown (default priority, as GIE).",
+			Help: "Proxied requests that named an InferenceObjective (x-gateway-inference-objective), by result: found (its priority applied, as the request's or, under --client-priority cap, as the ceiling of the client's) or unknown (default priority, as GIE).",
 		}, []string{"result"}),
+		clientPriorities: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbandit_proxy_client_priorities_total",
+			Help: "Proxied requests whose own priority (x-request-priority, nvext.agent_hints priority or latency_sensitivity) the operator's policy changed, by action (--client-priority): capped (lowered to the objective's priority or router.client_priority_max) or ignored.",
+		}, []string{"action"}),
 		tokenizerFallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvbandit_proxy_tokenizer_fallbacks_total",
 			Help: "Proxied requests routed on the byte-based token estimate, by reason (no_tokenizer, error, timeout).",
@@ -62,7 +68,7 @@ func newMetrics(reg prometheus.Registerer, inflight func() float64) *metrics {
 			Help: "Disaggregated requests whose prefill stage the proxy ran (--pd-proxy-mode direct) and that failed, then served aggregated on the decode endpoint, by reason: connect, timeout, status, too_large, bad_json, no_kv_transfer_params, bad_request_body, buffer_budget.",
 		}, []string{"reason"}),
 	}
-	reg.MustRegister(m.pdFallbacks, m.upstreamErrors, m.hintProblems, m.inferenceObjectives, m.tokenizerFallbacks, m.tokensRouted,
+	reg.MustRegister(m.pdFallbacks, m.upstreamErrors, m.hintProblems, m.inferenceObjectives, m.clientPriorities, m.tokenizerFallbacks, m.tokensRouted,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvbandit_proxy_requests_inflight",
 			Help: "Requests the standalone proxy is handling.",

@@ -85,6 +85,9 @@ type Config struct {
 	// (the prefix id hint), the first present winning, as
 	// extproc.Config.SessionHeaders (empty: x-prefix-id).
 	SessionHeaders []string
+	// ClientPriority is the operator's rule for client priorities against
+	// InferenceObjectives, as extproc.Config.ClientPriority.
+	ClientPriority hints.PriorityPolicy
 	// MaxSSEEvent bounds one buffered SSE event (and a JSON response kept
 	// for its usage).
 	MaxSSEEvent int
@@ -154,8 +157,8 @@ type Deps struct {
 	// Config.MaxBufferedBytes.
 	Budget *extproc.Budget
 	// Objectives gives the priority of a request's InferenceObjective
-	// (x-gateway-inference-objective) when the request gave none; nil when
-	// objectives are not discovered (see hints.ApplyObjective).
+	// (x-gateway-inference-objective); nil when objectives are not
+	// discovered (see hints.ResolvePriority).
 	Objectives hints.Priorities
 	// Fleet lists the endpoints whose models GET /v1/models lists; nil:
 	// Engine, when it is a Fleet (*engine.Engine is), else /v1/models is

@@ -161,8 +161,12 @@ func (p *Proxy) build(ctx context.Context, r *http.Request, target string, kind 
 	if problems.Count > 0 {
 		p.metrics.hintProblems.Add(float64(problems.Count))
 	}
-	if r := hints.ApplyObjective(header, p.objectives, &req.Hints); r != hints.ObjectiveNone {
-		p.metrics.inferenceObjectives.WithLabelValues(r).Inc()
+	obj, cli := hints.ResolvePriority(header, p.objectives, p.cfg.ClientPriority, &req.Hints)
+	if obj != hints.ObjectiveNone {
+		p.metrics.inferenceObjectives.WithLabelValues(obj).Inc()
+	}
+	if cli != hints.ClientKept {
+		p.metrics.clientPriorities.WithLabelValues(cli).Inc()
 	}
 	if parsed != nil {
 		reason, terr := extproc.TokenizeRequest(ctx, p.tok, p.cfg.TokenizerTimeout, parsed, body, &req)

@@ -274,6 +274,34 @@ type RouterConfig struct {
 	// (the prefix id hint), the first present winning (a name or a list;
 	// --session-header); default x-prefix-id. See hints.SessionHeaders.
 	SessionHeader HeaderNames `json:"session_header"`
+	// ClientPriority is what becomes of the priority a client gives itself
+	// (x-request-priority, nvext.agent_hints priority and
+	// latency_sensitivity) against its InferenceObjective's: cap (default),
+	// allow or ignore (--client-priority; hints.ResolvePriority).
+	ClientPriority string `json:"client_priority"`
+	// ClientPriorityMax is cap mode's ceiling for a client's priority when
+	// no InferenceObjective applies, in [0, 1000] (--client-priority-max;
+	// default 1000: no ceiling beyond the hint bound).
+	ClientPriorityMax int `json:"client_priority_max"`
+}
+
+// PriorityPolicy is the client-priority policy of router.client_priority
+// and router.client_priority_max (validated by Validate).
+func (r RouterConfig) PriorityPolicy() hints.PriorityPolicy {
+	mode, _ := hints.ParseClientPriority(r.ClientPriority)
+	return hints.PriorityPolicy{Mode: mode, Max: r.ClientPriorityMax, HasMax: true}
+}
+
+// clientPriorityErr checks router.client_priority and
+// router.client_priority_max; the error names the key.
+func clientPriorityErr(r RouterConfig) error {
+	if _, err := hints.ParseClientPriority(r.ClientPriority); err != nil || r.ClientPriority == "" {
+		return fmt.Errorf("router.client_priority: want allow, cap or ignore, got %q", r.ClientPriority)
+	}
+	if r.ClientPriorityMax < 0 || r.ClientPriorityMax > hints.MaxPriority {
+		return fmt.Errorf("router.client_priority_max: must be in [0, %d], got %d", hints.MaxPriority, r.ClientPriorityMax)
+	}
+	return nil
 }
 
 // HeaderNames is a list of header names, written in YAML as one name or a
@@ -346,8 +374,9 @@ func DefaultFileConfig() FileConfig {
 			MaxTreeSize: 1 << 20, PruneTargetRatio: 0.8, MaxEventBlocksPerWorker: kvindex.DefaultMaxEventEntries,
 			QueuePolicy: string(admission.PolicyFCFS), QueueMaxWaitSecs: 10,
 			TrackActiveBlocks: true, StaleRequestSecs: 300,
-			TierWeights:   routing.DefaultTierWeights(),
-			SessionHeader: hints.DefaultSessionHeaders(),
+			TierWeights:    routing.DefaultTierWeights(),
+			SessionHeader:  hints.DefaultSessionHeaders(),
+			ClientPriority: string(hints.ClientPriorityCap), ClientPriorityMax: hints.MaxPriority,
 		},
 		Config:      policy.DefaultConfig(),
 		PD:          pd.DefaultConfig(),
@@ -431,6 +460,8 @@ func (c *FileConfig) Validate() error {
 		return fmt.Errorf("router.%w", r.TierWeights.Validate())
 	case sessionHeaderErr(r.SessionHeader) != nil:
 		return fmt.Errorf("router.session_header: %w", sessionHeaderErr(r.SessionHeader))
+	case clientPriorityErr(r) != nil:
+		return clientPriorityErr(r)
 	case !(c.PrefixState.TTLSecs > 0):
 		return fmt.Errorf("prefix_state.ttl_secs: must be > 0, got %v", c.PrefixState.TTLSecs)
 	case c.PrefixState.MaxEntries <= 0:

@@ -155,6 +155,9 @@ func TestServeKubeDiscovery(t *testing.T) {
 	req, _ := http.NewRequest(http.MethodPost, url+"/v1/chat/completions", strings.NewReader(`{"model":"test-model","max_tokens":3,"messages":[{"role":"user","content":"hi"}]}`))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Gateway-Inference-Objective", "gold")
+	// serve's default --client-priority cap: the client's +1000 is lowered
+	// to the objective's 10 (issue 23, item 19).
+	req.Header.Set("X-Request-Priority", "1000")
 	resp, err := hc.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -165,7 +168,8 @@ func TestServeKubeDiscovery(t *testing.T) {
 		t.Fatalf("chat through the proxy: %d %s", resp.StatusCode, body)
 	}
 	if m := metrics(); !strings.Contains(m, `kvbandit_proxy_inference_objective_requests_total{result="found"} 1`) ||
-		!strings.Contains(m, "kvbandit_inference_objectives_available 1") {
+		!strings.Contains(m, "kvbandit_inference_objectives_available 1") ||
+		!strings.Contains(m, `kvbandit_proxy_client_priorities_total{action="capped"} 1`) {
 		t.Fatalf("objective metrics:\n%s", m)
 	}
 }

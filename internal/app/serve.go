@@ -336,6 +336,7 @@ func (s *serving) buildFrontends() error {
 		ResponseProcessing:  o.ResponseProcessing,
 		TenantHeader:        o.TenantHeader,
 		SessionHeaders:      s.cfg.Router.SessionHeader,
+		ClientPriority:      s.cfg.Router.PriorityPolicy(),
 		TokenizerTimeout:    secs(s.cfg.Tokenizer.TimeoutSecs),
 		// Read at start-up: a reload does not change it.
 		StripKVTransferParams: s.cfg.PD.StripKVTransferParams,
@@ -357,6 +358,7 @@ func (s *serving) buildFrontends() error {
 		TokenizerTimeout:      secs(s.cfg.Tokenizer.TimeoutSecs),
 		StripKVTransferParams: s.cfg.PD.StripKVTransferParams,
 		SessionHeaders:        s.cfg.Router.SessionHeader,
+		ClientPriority:        s.cfg.Router.PriorityPolicy(),
 	}, proxy.Deps{Engine: engine, Tokenizer: tok, Logger: s.log, Registry: s.reg, Clock: engine.Clock(), Budget: budget, Objectives: prios, Tracer: s.tracer})
 	s.onExit(s.px.CloseIdleConnections)
 	return nil

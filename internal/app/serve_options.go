@@ -266,6 +266,8 @@ func routerFlags(fs *flag.FlagSet, r *RouterConfig) {
 	fs.StringVar(&r.QueuePolicy, "router-queue-policy", r.QueuePolicy, "admission queue order: fcfs | wspt")
 	fs.Float64Var(&r.QueueMaxWaitSecs, "router-queue-max-wait", r.QueueMaxWaitSecs, "admission queue: seconds a request may wait before 429")
 	fs.BoolVar(&r.TrackActiveBlocks, "router-track-active-blocks", r.TrackActiveBlocks, "count KV blocks held by in-flight requests in the cost")
+	fs.StringVar(&r.ClientPriority, "client-priority", r.ClientPriority, "what becomes of a client's own priority (x-request-priority, nvext.agent_hints priority/latency_sensitivity): cap (lower freely, raise at most to its InferenceObjective's priority, else --client-priority-max), allow (the client's wins over its objective's) or ignore (config router.client_priority)")
+	fs.IntVar(&r.ClientPriorityMax, "client-priority-max", r.ClientPriorityMax, "--client-priority cap: the highest priority a client may give itself when no InferenceObjective applies, 0 to 1000 (config router.client_priority_max)")
 	fs.Var(&r.SessionHeader, "session-header", "request header(s) carrying the session id (the prefix id hint), comma-separated, the first present winning (config router.session_header; at most 8 names)")
 }
 
