@@ -42,6 +42,10 @@ const (
 	// GATEWAY_API_VERSION); gatewayAPISum pins its content.
 	gatewayAPIModule = "sigs.k8s.io/gateway-api@v1.3.0"
 	gatewayAPISum    = "h1:q6okN+/UKDATola4JY7zXzx40WO4VISk7i9DIfOvr9M="
+	// promOperatorModule holds the Prometheus Operator's PrometheusRule CRD
+	// (the chart's monitoring.rules.prometheusRule); promOperatorSum pins it.
+	promOperatorModule = "github.com/prometheus-operator/prometheus-operator@v0.79.2"
+	promOperatorSum    = "h1:H/HCiMS4dXQyiFHw28PFlWMh15YUraL3MFe8u7k7dGA="
 
 	testNS    = "kvbandit-manifests"
 	chartDir  = "charts/kvbandit"
@@ -53,6 +57,7 @@ func TestManifestsAndChart(t *testing.T) {
 	c := kubeenv.Start(t)
 	c.CreateNamespace(t, testNS)
 	installGatewayAPICRDs(t, c)
+	installPrometheusRuleCRD(t, c)
 
 	t.Run("manifests", func(t *testing.T) {
 		files, err := filepath.Glob("manifests/*.yaml")
@@ -96,6 +101,7 @@ func TestManifestsAndChart(t *testing.T) {
 		run(t, helm, "lint", "--strict", chartDir, "--set", "replicas=3,sync.nats.servers={nats://nats:4222},sync.nats.auth=token,sync.nats.existingSecret=kvb-nats")
 		run(t, helm, "lint", "--strict", chartDir, "--set", "replicas=3,sync.nats.servers={nats://nats:4222}")
 		run(t, helm, "lint", "--strict", chartDir, "--set", "replicas=3,sync.nats.servers={nats://nats:4222},sync.nats.auth=none")
+		run(t, helm, "lint", "--strict", chartDir, "--set", "monitoring.dashboard.enabled=true,monitoring.rules.configMap=true,monitoring.rules.prometheusRule=true")
 	})
 
 	cases := []struct {
@@ -112,6 +118,10 @@ func TestManifestsAndChart(t *testing.T) {
 			}
 			if find(objs, "HTTPRoute", "") != nil {
 				t.Error("default render has an HTTPRoute (httpRoute.enabled is false)")
+			}
+			if find(objs, "PrometheusRule", "") != nil || find(objs, "ConfigMap", release+"-kvbandit-dashboard") != nil ||
+				find(objs, "ConfigMap", release+"-kvbandit-rules") != nil {
+				t.Error("default render has monitoring objects (monitoring.* is off)")
 			}
 			checkImage(t, find(objs, "Deployment", ""), "ghcr.io/kvbandit/kvbandit:"+appVersion(t))
 		}},
@@ -230,6 +240,11 @@ func TestManifestsAndChart(t *testing.T) {
 					t.Errorf("auth none sets NATS credentials: %s", c)
 				}
 			}},
+		{name: "monitoring", set: []string{"monitoring.dashboard.enabled=true", "monitoring.dashboard.annotations.grafana_folder=kvbandit",
+			"monitoring.rules.configMap=true", "monitoring.rules.prometheusRule=true", "monitoring.rules.labels.release=prometheus"},
+			check: func(t *testing.T, args []string, objs []object) {
+				checkMonitoring(t, objs)
+			}},
 		{name: "sync creds active-passive", leader: true,
 			set: []string{"replicas=2", "leaderElection.enabled=true", "sync.nats.servers={tls://nats.nats:4222}", "sync.nats.auth=creds",
 				"sync.nats.existingSecret=kvb-nats-creds", "sync.nats.tls.secretName=kvb-nats-ca"},
@@ -346,9 +361,11 @@ func secretValue(t *testing.T, o *object, key string) string {
 
 // installGatewayAPICRDs applies the standard HTTPRoute (and Gateway) CRDs from
 // the pinned Gateway API module and waits until an HTTPRoute can be applied.
-func installGatewayAPICRDs(t *testing.T, c *kubeenv.Cluster) {
+// moduleDir downloads module (into the module cache, if needed), checks
+// its sum and returns its directory.
+func moduleDir(t *testing.T, module, sum string) string {
 	t.Helper()
-	cmd := exec.Command("go", "mod", "download", "-json", gatewayAPIModule)
+	cmd := exec.Command("go", "mod", "download", "-json", module)
 	cmd.Dir = t.TempDir()
 	cmd.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
 	var stderr bytes.Buffer
@@ -356,22 +373,35 @@ func installGatewayAPICRDs(t *testing.T, c *kubeenv.Cluster) {
 	out, err := cmd.Output()
 	var mod struct{ Dir, Sum, Error string }
 	if err != nil || json.Unmarshal(out, &mod) != nil || mod.Dir == "" {
-		t.Fatalf("go mod download %s: %v %s\n%s%s", gatewayAPIModule, err, mod.Error, out, stderr.String())
+		t.Fatalf("go mod download %s: %v %s\n%s%s", module, err, mod.Error, out, stderr.String())
 	}
-	if mod.Sum != gatewayAPISum {
-		t.Fatalf("%s: sum %s, want %s", gatewayAPIModule, mod.Sum, gatewayAPISum)
+	if mod.Sum != sum {
+		t.Fatalf("%s: sum %s, want %s", module, mod.Sum, sum)
 	}
-	for _, f := range []string{"gateway.networking.k8s.io_gateways.yaml", "gateway.networking.k8s.io_httproutes.yaml"} {
-		raw, err := os.ReadFile(filepath.Join(mod.Dir, "config", "crd", "standard", f))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := c.Apply(context.Background(), raw, false); err != nil {
-			t.Fatalf("install %s: %v", f, err)
-		}
+	return mod.Dir
+}
+
+// installPrometheusRuleCRD installs the Prometheus Operator's PrometheusRule
+// CRD, with its OpenAPI schema, so that the chart's PrometheusRule is
+// validated like the other objects.
+func installPrometheusRuleCRD(t *testing.T, c *kubeenv.Cluster) {
+	t.Helper()
+	dir := moduleDir(t, promOperatorModule, promOperatorSum)
+	raw, err := os.ReadFile(filepath.Join(dir, "example", "prometheus-operator-crd", "monitoring.coreos.com_prometheusrules.yaml"))
+	if err != nil {
+		t.Fatal(err)
 	}
-	probe := []byte(`{"apiVersion":"gateway.networking.k8s.io/v1","kind":"HTTPRoute","metadata":{"name":"probe","namespace":"` +
-		testNS + `"},"spec":{}}`)
+	if err := c.Apply(context.Background(), raw, false); err != nil {
+		t.Fatalf("install the PrometheusRule CRD: %v", err)
+	}
+	waitServed(t, c, "PrometheusRule", []byte(`{"apiVersion":"monitoring.coreos.com/v1","kind":"PrometheusRule","metadata":{"name":"probe","namespace":"`+
+		testNS+`"},"spec":{}}`))
+}
+
+// waitServed waits until the API server accepts a dry-run apply of probe,
+// an object of a CRD just installed.
+func waitServed(t *testing.T, c *kubeenv.Cluster, kind string, probe []byte) {
+	t.Helper()
 	deadline := time.Now().Add(applyWait)
 	for {
 		err := c.Apply(context.Background(), probe, true)
@@ -379,10 +409,66 @@ func installGatewayAPICRDs(t *testing.T, c *kubeenv.Cluster) {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("HTTPRoute CRD not served after %v: %v", applyWait, err)
+			t.Fatalf("%s CRD not served after %v: %v", kind, applyWait, err)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
+}
+
+// checkMonitoring checks the dashboard and rules objects carry the chart's
+// files unchanged, with the labels asked for.
+func checkMonitoring(t *testing.T, objs []object) {
+	t.Helper()
+	dash := find(objs, "ConfigMap", release+"-kvbandit-dashboard")
+	if dash == nil {
+		t.Fatal("no dashboard ConfigMap")
+	}
+	if got, _ := dash.get("data", "kvbandit.json").(string); strings.TrimSpace(got) != strings.TrimSpace(readFile(t, dashboardFile)) {
+		t.Errorf("dashboard ConfigMap's kvbandit.json differs from %s", dashboardFile)
+	}
+	if l := dash.get("metadata", "labels", "grafana_dashboard"); l != "1" {
+		t.Errorf("dashboard ConfigMap label grafana_dashboard = %v, want \"1\"", l)
+	}
+	if a := dash.get("metadata", "annotations", "grafana_folder"); a != "kvbandit" {
+		t.Errorf("dashboard ConfigMap annotation grafana_folder = %v, want kvbandit", a)
+	}
+	rules := find(objs, "ConfigMap", release+"-kvbandit-rules")
+	if rules == nil {
+		t.Fatal("no rules ConfigMap")
+	}
+	if got, _ := rules.get("data", "kvbandit-rules.yaml").(string); strings.TrimSpace(got) != strings.TrimSpace(readFile(t, rulesFile)) {
+		t.Errorf("rules ConfigMap's kvbandit-rules.yaml differs from %s", rulesFile)
+	}
+	pr := find(objs, "PrometheusRule", release+"-kvbandit")
+	if pr == nil {
+		t.Fatal("no PrometheusRule")
+	}
+	if l := pr.get("metadata", "labels", "release"); l != "prometheus" {
+		t.Errorf("PrometheusRule label release = %v, want prometheus", l)
+	}
+	var want map[string]any
+	readYAML(t, rulesFile, &want)
+	wantJSON, _ := json.Marshal(want)
+	gotJSON, _ := json.Marshal(pr.get("spec"))
+	if string(gotJSON) != string(wantJSON) {
+		t.Errorf("PrometheusRule spec differs from %s:\n got %s\nwant %s", rulesFile, gotJSON, wantJSON)
+	}
+}
+
+func installGatewayAPICRDs(t *testing.T, c *kubeenv.Cluster) {
+	t.Helper()
+	dir := moduleDir(t, gatewayAPIModule, gatewayAPISum)
+	for _, f := range []string{"gateway.networking.k8s.io_gateways.yaml", "gateway.networking.k8s.io_httproutes.yaml"} {
+		raw, err := os.ReadFile(filepath.Join(dir, "config", "crd", "standard", f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Apply(context.Background(), raw, false); err != nil {
+			t.Fatalf("install %s: %v", f, err)
+		}
+	}
+	waitServed(t, c, "HTTPRoute", []byte(`{"apiVersion":"gateway.networking.k8s.io/v1","kind":"HTTPRoute","metadata":{"name":"probe","namespace":"`+
+		testNS+`"},"spec":{}}`))
 }
 
 // object is one decoded manifest document.
@@ -561,9 +647,17 @@ func checkServeArgs(t *testing.T, src string, args []string) {
 // config loader, as serve --config does.
 func configOf(t *testing.T, objs []object) *app.FileConfig {
 	t.Helper()
-	cm := find(objs, "ConfigMap", "")
+	// The ConfigMap with config.yaml (the chart's monitoring ConfigMaps
+	// hold other keys).
+	var cm *object
+	for i := range objs {
+		if _, ok := objs[i].get("data", "config.yaml").(string); ok && objs[i].kind() == "ConfigMap" {
+			cm = &objs[i]
+			break
+		}
+	}
 	if cm == nil {
-		t.Fatal("no ConfigMap")
+		t.Fatal("no ConfigMap with config.yaml")
 	}
 	raw, _ := cm.get("data", "config.yaml").(string)
 	cfg, err := app.ParseConfig([]byte(raw))

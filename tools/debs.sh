@@ -20,6 +20,9 @@ command -v unshare >/dev/null || need+=(util-linux)
 command -v buildah >/dev/null || need+=(buildah)
 command -v podman >/dev/null || need+=(podman)
 command -v runc >/dev/null || need+=(runc)
+# The dashboard and alert rules (gateway-api/monitoring_test.go,
+# e2e/monitoring_test.go): promtool and a real Prometheus server.
+command -v promtool >/dev/null && command -v prometheus >/dev/null || need+=(prometheus)
 ((${#need[@]})) || exit 0
 if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
   echo "debs.sh: the test suites need these Debian packages: ${need[*]}" >&2
