@@ -279,7 +279,7 @@ func liveWorkloads(t *testing.T, k liveKnobs) map[string]livebench.Workload {
 	if err != nil {
 		t.Fatal(err)
 	}
-	traces := append([]liveTrace{{name: "mooncake", path: filepath.Join(root, "..", "shared", "traces", "mooncake", "conversation_trace.jsonl")}}, k.traces...)
+	traces := append([]liveTrace{{name: "mooncake", path: filepath.Join(root, "traces", "mooncake", "conversation_trace.jsonl")}}, k.traces...)
 	for _, tr := range traces {
 		f, err := os.Open(tr.path)
 		if err != nil {

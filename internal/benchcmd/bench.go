@@ -336,7 +336,7 @@ func (o *benchOptions) write(rep *benchReport, results []*sim.Result) error {
 			return fmt.Errorf("plot: %w", err)
 		}
 		best := bestPolicy(rep.Policies)
-		if err := plotQueue(queuePlotPath(o.plotOut), results[best], "best TTFT p90"); err != nil {
+		if err := plotQueue(queuePlotPath(o.plotOut), results, rep.Policies, best); err != nil {
 			return fmt.Errorf("plot: %w", err)
 		}
 	}

@@ -186,9 +186,9 @@ func TestBenchRealMooncake(t *testing.T) {
 	if testing.Short() {
 		t.Skip("replays a real trace")
 	}
-	src, err := os.Open("../../../shared/traces/mooncake/conversation_trace.jsonl")
+	src, err := os.Open("../../traces/mooncake/conversation_trace.jsonl")
 	if err != nil {
-		t.Skipf("trace not available: %v", err)
+		t.Fatalf("bundled trace (traces/README.md): %v", err)
 	}
 	defer src.Close()
 	path := filepath.Join(t.TempDir(), "head.jsonl")

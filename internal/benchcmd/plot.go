@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"time"
 
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
@@ -46,30 +47,100 @@ func plotTTFT(path string, results []*sim.Result) error {
 	return chart.Save(p, lines, 9*vg.Inch, 5*vg.Inch, path)
 }
 
-// plotQueue writes the waiting requests of every worker over time under
-// one policy; why says why that one.
-func plotQueue(path string, r *sim.Result, why string) error {
-	p := plot.New()
-	p.Title.Text = fmt.Sprintf("waiting requests per worker: %s (%s)", r.Policy, why)
-	p.X.Label.Text = "virtual time (s)"
-	p.Y.Label.Text = "waiting requests"
-	p.X.Tick.Marker = chart.CountTicks{} // whole seconds
-	p.Y.Tick.Marker = chart.CountTicks{}
-	p.Y.Min, p.Y.Max = 0, 1
-	var lines []chart.Line
-	for w := range r.Workers {
-		var xy plotter.XYs
-		for _, q := range r.Queue {
-			if w < len(q.Waiting) {
-				xy = append(xy, plotter.XY{X: q.At.Seconds(), Y: float64(q.Waiting[w])})
-				p.Y.Max = max(p.Y.Max, float64(q.Waiting[w]))
-			}
-		}
-		if len(xy) > 0 {
-			lines = append(lines, chart.Line{Name: fmt.Sprintf("worker %d", w), XY: xy})
+// queueBins is the number of time bins of the queue plot: enough to show
+// a burst, few enough that a panel an inch high draws a line, not a
+// comb of spikes.
+const queueBins = 200
+
+// plotQueue writes the waiting requests over time as small multiples,
+// one panel per run (policy) on the same axes: per time bin, the mean
+// over the workers and the busiest worker's peak. ps are the runs'
+// summaries (for the panel titles), best the run named as the best.
+func plotQueue(path string, results []*sim.Result, ps []policySummary, best int) error {
+	var span time.Duration
+	for _, r := range results {
+		if n := len(r.Queue); n > 0 {
+			span = max(span, r.Queue[n-1].At)
 		}
 	}
-	return chart.Save(p, lines, 11*vg.Inch, 5*vg.Inch, path)
+	if span <= 0 {
+		span = time.Second
+	}
+	panels := make([]chart.Panel, len(results))
+	yMax := 1.0
+	for i, r := range results {
+		mean, busiest := queueSummary(r, span, queueBins)
+		for _, xy := range busiest {
+			yMax = max(yMax, xy.Y)
+		}
+		p := plot.New()
+		p.Title.Text = r.Policy
+		if i < len(ps) {
+			p.Title.Text = fmt.Sprintf("%s: TTFT p90 %s", r.Policy, fmtSec(ps[i].TTFTP90))
+		}
+		if i == best {
+			p.Title.Text += " (best TTFT p90)"
+		}
+		p.Y.Label.Text = "waiting"
+		p.X.Tick.Marker = chart.CountTicks{} // whole seconds
+		p.Y.Tick.Marker = chart.CountTicks{}
+		p.X.Min, p.X.Max = 0, span.Seconds()
+		if i == len(results)-1 {
+			p.X.Label.Text = fmt.Sprintf("virtual time (s); %d bins of %s", queueBins, fmtSec((span / queueBins).Seconds()))
+		}
+		panels[i] = chart.Panel{Plot: p, Lines: []chart.Line{
+			{Name: "mean per worker", XY: mean},
+			{Name: "busiest worker", XY: busiest},
+		}}
+	}
+	for _, pn := range panels {
+		pn.Plot.Y.Min, pn.Plot.Y.Max = 0, yMax
+	}
+	h := vg.Length(len(panels))*1.4*vg.Inch + 0.6*vg.Inch
+	return chart.SaveColumn(panels, 11*vg.Inch, h, path)
+}
+
+// queueSummary bins r's waiting requests over [0, span) into bins bins.
+// A sample holds from its time to the next sample's (the last to span).
+// Per bin: mean is the time-weighted mean of the waiting requests over
+// the workers; busiest is the most any one worker had waiting while the
+// bin lasted. Points sit at the bins' centres, in seconds.
+func queueSummary(r *sim.Result, span time.Duration, bins int) (mean, busiest plotter.XYs) {
+	width := float64(span) / float64(bins)
+	area := make([]float64, bins) // waiting requests × time, summed over the workers
+	peak := make([]float64, bins)
+	workers := max(1, len(r.Workers))
+	for i, q := range r.Queue {
+		from, to := float64(q.At), float64(span)
+		if i+1 < len(r.Queue) {
+			to = float64(r.Queue[i+1].At)
+		}
+		to = min(to, float64(span))
+		total, top := 0, 0
+		for _, w := range q.Waiting {
+			total += w
+			top = max(top, w)
+		}
+		first := int(from / width)
+		if first >= bins {
+			continue
+		}
+		// A sample of zero length still shows in its bin's peak.
+		peak[first] = max(peak[first], float64(top))
+		for b := first; b < bins && float64(b)*width < to; b++ {
+			lo, hi := max(from, float64(b)*width), min(to, float64(b+1)*width)
+			if hi > lo {
+				area[b] += float64(total) * (hi - lo)
+				peak[b] = max(peak[b], float64(top))
+			}
+		}
+	}
+	for b := range bins {
+		x := (float64(b) + 0.5) * width / float64(time.Second)
+		mean = append(mean, plotter.XY{X: x, Y: area[b] / width / float64(workers)})
+		busiest = append(busiest, plotter.XY{X: x, Y: peak[b]})
+	}
+	return mean, busiest
 }
 
 // bestPolicy is the index of the policy with the lowest TTFT p90 among

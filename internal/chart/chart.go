@@ -32,6 +32,66 @@ type Line struct {
 func Save(p *plot.Plot, lines []Line, w, h vg.Length, path string) error {
 	leg := plot.NewLegend()
 	leg.Top, leg.Left = true, true
+	if err := addLines(p, lines, &leg); err != nil {
+		return err
+	}
+	c, dc, err := canvas(w, h, path)
+	if err != nil {
+		return err
+	}
+	area, legArea := splitLegend(dc, leg)
+	p.Draw(area)
+	legArea.Max.Y = p.DataCanvas(area).Max.Y
+	leg.Draw(legArea)
+	return write(c, path)
+}
+
+// Panel is one plot of a column of small multiples and its lines.
+type Panel struct {
+	Plot  *plot.Plot
+	Lines []Line
+}
+
+// SaveColumn writes small multiples: the panels one above the other with
+// their data areas aligned, the i-th line of every panel in the same
+// colour, and one legend (the first panel's line names) right of the top
+// panel. Each panel keeps its own title and axes; give them the same
+// ranges to make them comparable.
+func SaveColumn(panels []Panel, w, h vg.Length, path string) error {
+	if len(panels) == 0 {
+		return fmt.Errorf("chart: no panel to draw in %s", path)
+	}
+	leg := plot.NewLegend()
+	leg.Top, leg.Left = true, true
+	plots := make([][]*plot.Plot, len(panels))
+	for i, pn := range panels {
+		var l *plot.Legend
+		if i == 0 {
+			l = &leg
+		}
+		if err := addLines(pn.Plot, pn.Lines, l); err != nil {
+			return err
+		}
+		plots[i] = []*plot.Plot{pn.Plot}
+	}
+	c, dc, err := canvas(w, h, path)
+	if err != nil {
+		return err
+	}
+	area, legArea := splitLegend(dc, leg)
+	tiles := draw.Tiles{Rows: len(panels), Cols: 1, PadY: vg.Points(6), PadTop: vg.Points(2), PadBottom: vg.Points(2)}
+	cells := plot.Align(plots, tiles, area)
+	for i := range panels {
+		panels[i].Plot.Draw(cells[i][0])
+	}
+	legArea.Max.Y = panels[0].Plot.DataCanvas(cells[0][0]).Max.Y
+	leg.Draw(legArea)
+	return write(c, path)
+}
+
+// addLines adds the lines to p in distinct colours, and to leg unless it
+// is nil.
+func addLines(p *plot.Plot, lines []Line, leg *plot.Legend) error {
 	for i, l := range lines {
 		pl, err := plotter.NewLine(l.XY)
 		if err != nil {
@@ -44,23 +104,36 @@ func Save(p *plot.Plot, lines []Line, w, h vg.Length, path string) error {
 			pl.Dashes = []vg.Length{vg.Points(6), vg.Points(3)}
 		}
 		p.Add(pl)
-		leg.Add(l.Name, pl)
+		if leg != nil {
+			leg.Add(l.Name, pl)
+		}
 	}
+	return nil
+}
+
+// canvas is a w×h canvas in the format of path's extension.
+func canvas(w, h vg.Length, path string) (vg.CanvasWriterTo, draw.Canvas, error) {
 	format := strings.TrimPrefix(strings.ToLower(filepath.Ext(path)), ".")
 	c, err := draw.NewFormattedCanvas(w, h, format)
 	if err != nil {
-		return err
+		return nil, draw.Canvas{}, err
 	}
-	dc := draw.New(c)
+	return c, draw.New(c), nil
+}
+
+// splitLegend cuts the legend's width off the right of dc.
+func splitLegend(dc draw.Canvas, leg plot.Legend) (area, legArea draw.Canvas) {
 	r := leg.Rectangle(dc)
 	legW := r.Max.X - r.Min.X + vg.Points(16)
-	area := dc
+	area = dc
 	area.Max.X -= legW
-	p.Draw(area)
-	legArea := dc
+	legArea = dc
 	legArea.Min.X = area.Max.X + vg.Points(8)
-	legArea.Max.Y = p.DataCanvas(area).Max.Y
-	leg.Draw(legArea)
+	return area, legArea
+}
+
+// write writes the canvas to path.
+func write(c vg.CanvasWriterTo, path string) error {
 	f, err := os.Create(path)
 	if err != nil {
 		return err

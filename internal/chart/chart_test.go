@@ -2,10 +2,15 @@ package chart
 
 import (
 	"math"
+	"os"
+	"path/filepath"
 	"reflect"
+	"strings"
 	"testing"
 
 	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/vg"
 )
 
 func tickLabels(ticks []plot.Tick) (labels []string, values []float64) {
@@ -74,5 +79,35 @@ func TestCountTicks(t *testing.T) {
 	}
 	if ticks := (CountTicks{}).Ticks(math.NaN(), 1); ticks != nil {
 		t.Errorf("NaN range: %v", ticks)
+	}
+}
+
+func TestSaveColumn(t *testing.T) {
+	t.Parallel()
+	if err := SaveColumn(nil, vg.Inch, vg.Inch, filepath.Join(t.TempDir(), "none.svg")); err == nil {
+		t.Error("no panel: no error")
+	}
+	var panels []Panel
+	for _, name := range []string{"top panel", "bottom panel"} {
+		p := plot.New()
+		p.Title.Text = name
+		panels = append(panels, Panel{Plot: p, Lines: []Line{
+			{Name: "first line", XY: plotter.XYs{{X: 0, Y: 0}, {X: 1, Y: 1}}},
+			{Name: "second line", XY: plotter.XYs{{X: 0, Y: 1}, {X: 1, Y: 0}}},
+		}})
+	}
+	path := filepath.Join(t.TempDir(), "column.svg")
+	if err := SaveColumn(panels, 6*vg.Inch, 4*vg.Inch, path); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Both titles, and one legend for the two panels.
+	for _, want := range []string{"top panel", "bottom panel", "first line", "second line"} {
+		if n := strings.Count(string(b), want); n != 1 {
+			t.Errorf("%q %d times, want once", want, n)
+		}
 	}
 }

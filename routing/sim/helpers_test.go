@@ -47,7 +47,7 @@ func synthetic(n, groups, prefixLen, suffixLen int, rate float64, seed uint64) [
 	return reqs
 }
 
-const mooncakeConversation = "/work/shared/traces/mooncake/conversation_trace.jsonl"
+const mooncakeConversation = "../../traces/mooncake/conversation_trace.jsonl"
 
 // loadMooncake reads up to limit lines (0 = all) of a Mooncake JSONL trace:
 // timestamp in ms, hash_ids of 512-token blocks. Block j of hash id h has
@@ -57,7 +57,7 @@ func loadMooncake(tb testing.TB, path string, limit int) []Request {
 	tb.Helper()
 	f, err := os.Open(path)
 	if err != nil {
-		tb.Skipf("no trace: %v", err)
+		tb.Fatalf("bundled trace (traces/README.md): %v", err)
 	}
 	defer f.Close()
 	type line struct {

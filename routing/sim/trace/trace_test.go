@@ -14,9 +14,9 @@ import (
 )
 
 const (
-	mooncakePath = "../../../../shared/traces/mooncake/conversation_trace.jsonl"
-	azureConv    = "../../../../shared/traces/azure-llm-2023/AzureLLMInferenceTrace_conv.csv"
-	azureCode    = "../../../../shared/traces/azure-llm-2023/AzureLLMInferenceTrace_code.csv"
+	mooncakePath = "../../../traces/mooncake/conversation_trace.jsonl"
+	azureConv    = "../../../traces/azure-llm-2023/AzureLLMInferenceTrace_conv.csv"
+	azureCode    = "../../../traces/azure-llm-2023/AzureLLMInferenceTrace_code.csv"
 )
 
 func TestMooncakeConventions(t *testing.T) {
@@ -187,7 +187,7 @@ func TestRealTraces(t *testing.T) {
 	} {
 		f, err := os.Open(c.path)
 		if err != nil {
-			t.Skipf("trace not available: %v", err)
+			t.Fatalf("bundled trace (traces/README.md): %v", err)
 		}
 		n, _, err := c.read(f)
 		f.Close()
