@@ -419,7 +419,22 @@ func (w *Worker) complete(rw *statusWriter, r *http.Request, body []byte, chat b
 		})
 		return
 	}
+	w.stream(ctx, rw, &req, completion{id: id, created: created, chat: chat, tokens: n, usage: usage})
+}
 
+// completion is what one answer of complete says, whichever way it is sent.
+type completion struct {
+	id      string
+	created int64
+	chat    bool
+	tokens  int
+	usage   map[string]any
+}
+
+// stream sends the answer as server-sent events, a token every
+// Config.TokenDelay, as vLLM streams chat or completion chunks.
+func (w *Worker) stream(ctx context.Context, rw *statusWriter, req *completionRequest, c completion) {
+	id, created, chat, n, usage := c.id, c.created, c.chat, c.tokens, c.usage
 	chunkObject := "text_completion"
 	if chat {
 		chunkObject = "chat.completion.chunk"
