@@ -26,3 +26,17 @@ func TestKindOfBody(t *testing.T) {
 		t.Error("Kind.Path")
 	}
 }
+
+// FuzzKindOfBody: any body, however nested or broken, is classified as a
+// chat or a completion request, never anything else, without a panic.
+func FuzzKindOfBody(f *testing.F) {
+	for _, s := range []string{`{"messages":[]}`, `{"prompt":"x"}`, `{"a":{"messages":1}}`, `[`, ``, `{"messages"`,
+		strings.Repeat(`{"a":`, 100_000) + `1` + strings.Repeat(`}`, 100_000)} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		if k := KindOfBody(body); k != KindChat && k != KindCompletion {
+			t.Fatalf("KindOfBody(%.64q) = %v", body, k)
+		}
+	})
+}
