@@ -263,18 +263,7 @@ func (ix *Index) importLower(wk *worker, r *warmstate.Blocks) error {
 			return fmt.Errorf("%w: worker %s rank %d holds %d %v blocks; %d of a run's %d imported",
 				ErrTierFull, wk.endpoint, wk.rank, ts.hashes[med], med, i, len(r.Blocks))
 		}
-		if had {
-			if old == b.Key {
-				continue
-			}
-			sp.unhold(old)
-		} else {
-			ts.hashes[med]++
-			ix.tierEntries[med].Add(1)
-			wk.tierSize[med].Add(1)
-		}
-		sp.engine[b.Hash] = b.Key
-		sp.held[b.Key]++
+		ix.storeTier(wk, sp, med, b.Hash, b.Key, old, had)
 	}
 	return nil
 }

@@ -147,18 +147,7 @@ func (ix *Index) applyLowerStored(wk *worker, ev *Event) error {
 				ErrTierFull, wk.endpoint, wk.rank, ts.hashes[m], m, i, len(blocks))
 		}
 		sp.factor = r.factor
-		if had {
-			if old == r.key {
-				continue
-			}
-			sp.unhold(old)
-		} else {
-			ts.hashes[m]++
-			ix.tierEntries[m].Add(1)
-			wk.tierSize[m].Add(1)
-		}
-		sp.engine[r.engine] = r.key
-		sp.held[r.key]++
+		ix.storeTier(wk, sp, m, r.engine, r.key, old, had)
 	}
 	if unknown > 0 {
 		ix.unknownRemoved.Add(uint64(unknown))
@@ -316,4 +305,24 @@ func (ix *Index) TierSizes(w WorkerID) (cpu, disk int) {
 		return int(wk.tierSize[MediumCPU].Load()), int(wk.tierSize[MediumDisk].Load())
 	}
 	return 0, 0
+}
+
+// storeTier maps the engine hash to key in sp, worker wk's space on medium
+// m, where it was mapped to old (had) or not: a new entry counts in the
+// worker's and the index's tier sizes, a replaced key is released. Stored
+// events and the warm start's import (export.go) both store this way;
+// wk.tmu is held.
+func (ix *Index) storeTier(wk *worker, sp *tierSpace, m Medium, hash, key, old uint64, had bool) {
+	if had {
+		if old == key {
+			return
+		}
+		sp.unhold(old)
+	} else {
+		wk.tiers.hashes[m]++
+		ix.tierEntries[m].Add(1)
+		wk.tierSize[m].Add(1)
+	}
+	sp.engine[hash] = key
+	sp.held[key]++
 }
